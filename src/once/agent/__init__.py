@@ -1,0 +1,1 @@
+"""agent layer (see DESIGN.md); built by a later issue."""

@@ -1,0 +1,1 @@
+"""Instruments: trace loaders, replay, benchmarks."""

@@ -1,0 +1,1 @@
+"""The once inference engine. Submodules import torch; this package file does not."""

@@ -1,0 +1,109 @@
+"""AsyncEngine: the in-process EngineClient.
+
+The synchronous step loop runs on its own thread (torch releases the GIL inside ops, so
+the event loop stays responsive); requests and aborts reach it through a locked inbox, and
+deltas come back to each caller's asyncio queue via call_soon_threadsafe.
+"""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+from once.engine.config import EngineConfig
+from once.engine.core import LLMEngine
+from once.protocol.engine import GenerateRequest, TokenDelta
+from once.protocol.errors import EngineDeadError, OnceError
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._inbox_adds: list[GenerateRequest] = []
+        self._inbox_aborts: list[str] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="once-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        self.engine.validate(request)  # raises before anything is admitted
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request.request_id in self._streams:
+                raise OnceError(f"request id {request.request_id!r} is already streaming")
+            self._streams[request.request_id] = (asyncio.get_running_loop(), queue)
+            self._inbox_adds.append(request)
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request.request_id, None)
+                if not finished:  # the caller went away: free the request's blocks
+                    self._inbox_aborts.append(request.request_id)
+            self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox_aborts.append(request_id)
+        self._wakeup.set()
+
+    async def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats["engine_alive"] = self._dead is None
+        return stats
+
+    async def close(self) -> None:
+        self._stopped = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join, 10)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                with self._lock:
+                    adds, self._inbox_adds = self._inbox_adds, []
+                    aborts, self._inbox_aborts = self._inbox_aborts, []
+                for request in adds:
+                    try:
+                        self.engine.add_request(request)
+                    except OnceError as exc:
+                        self._deliver(request.request_id, exc)
+                for request_id in aborts:
+                    self.engine.abort_request(request_id)
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                for delta in self.engine.step():
+                    self._deliver(delta.request_id, delta)
+        except BaseException as exc:  # the loop must never die silently
+            self._dead = exc
+            with self._lock:
+                streams = list(self._streams)
+            for request_id in streams:
+                self._deliver(request_id, EngineDeadError(f"engine loop died: {exc!r}"))

@@ -1,0 +1,145 @@
+"""Attention over the paged KV cache for a flat varlen batch.
+
+Token order in a step's batch (built by the model runner):
+
+    [ decode tokens: one per decoding sequence | prefill chunk of seq A | chunk of seq B ... ]
+      <------------- num_decode_tokens ------->
+
+Decodes go through one call of the paged decode kernel (C, reads K/V through the block
+table in place). Each prefill chunk runs SDPA: a chunk that starts at position 0 attends to
+its own fresh K/V; a chunk that continues a prefix (prefix-cache hit or chunked prefill)
+gathers its earlier context from the cache once, which is amortized over the chunk.
+"""
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from once.engine.kernels import load_paged_decode
+
+# Context partition for the decode kernel's split-K: long contexts are cut into parts of
+# this many blocks so two threads share even a single long sequence.
+DECODE_PART_BLOCKS = 16
+
+
+class PagedKVCache:
+    """K and V for every layer: (num_layers, num_blocks, block_size, num_kv_heads, head_dim)."""
+
+    def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    def flat(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # (num_blocks * block_size, num_kv_heads, head_dim): addressed by slot id.
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # row of the chunk's first token in the flat batch
+    num_tokens: int
+    num_prior_tokens: int  # context already in the cache before this chunk
+    context_slots: torch.Tensor | None  # (num_prior_tokens,) slots of that context
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int32
+    decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int32, incl. new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    use_kernel: bool = True
+
+
+def paged_attention(q, k, v, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
+    # q: (T, n_heads, head_dim); k, v: (T, n_kv_heads, head_dim)
+    k_flat, v_flat = kv_cache.flat(layer_idx)
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = decode_attention(q[:nd], kv_cache, layer_idx, meta)
+    for chunk in meta.prefills:
+        rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
+    return out
+
+
+def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    if chunk.num_prior_tokens:
+        k = torch.cat((k_flat.index_select(0, chunk.context_slots), k))
+        v = torch.cat((v_flat.index_select(0, chunk.context_slots), v))
+    group = n_heads // n_kv_heads
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    # SDPA wants (B, heads, L, D).
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if chunk.num_prior_tokens == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        # Query i sits at absolute position num_prior + i and sees keys 0..num_prior + i
+        # (bottom-right aligned causal mask; SDPA's is_causal is top-left aligned).
+        q_pos = torch.arange(chunk.num_tokens, device=q.device) + chunk.num_prior_tokens
+        k_pos = torch.arange(k.shape[0], device=q.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def decode_attention(q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
+    lib = load_paged_decode() if meta.use_kernel and q.device.type == "cpu" else None
+    if lib is not None and q.dtype == torch.float32:
+        return _decode_kernel(lib, q, kv_cache, layer_idx, meta)
+    return _decode_torch(q, kv_cache, layer_idx, meta)
+
+
+def _decode_kernel(lib, q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    k, v = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    num_seqs, n_heads, head_dim = q.shape
+    rc = lib.paged_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), num_seqs, n_heads, k.shape[2], head_dim, kv_cache.block_size,
+        tables.shape[1], DECODE_PART_BLOCKS, ctypes.c_float(head_dim**-0.5),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        return _decode_torch(q, kv_cache, layer_idx, meta)
+    return out
+
+
+def _decode_torch(q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
+    # Reference path: gather every sequence's context into a padded batch, then SDPA.
+    k_flat, v_flat = kv_cache.flat(layer_idx)
+    tables, lens = meta.decode_block_tables.long(), meta.decode_context_lens.long()
+    num_seqs, n_heads, head_dim = q.shape
+    max_len = int(lens.max())
+    bs = kv_cache.block_size
+    pos = torch.arange(max_len, device=q.device)
+    slots = tables[:, pos // bs] * bs + pos % bs  # (num_seqs, max_len)
+    valid = pos.unsqueeze(0) < lens.unsqueeze(1)
+    slots = torch.where(valid, slots, 0)
+    k = k_flat[slots]  # (num_seqs, max_len, n_kv_heads, head_dim)
+    v = v_flat[slots]
+    group = n_heads // k.shape[2]
+    k = k.repeat_interleave(group, dim=2).transpose(1, 2)
+    v = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :])
+    return o.squeeze(2)

@@ -1,0 +1,41 @@
+"""The engine's one frozen config, resolved once (flags > env > defaults)."""
+
+import os
+from dataclasses import dataclass, fields, replace
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL  # a name in the model cache, an HF folder or a .gguf file
+    device: str = "cpu"  # "cpu" or "cuda"
+    dtype: str = "float32"
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # 0: size from kv_cache_gib
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_num_seqs: int = 64  # running requests per step
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    enable_prefix_caching: bool = True
+    num_threads: int = 0  # 0: leave torch's default
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EngineConfig":
+        """Defaults < ONCE_ENGINE_* environment variables < explicit overrides."""
+        values = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"ONCE_ENGINE_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type in (bool, "bool"):
+                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            elif f.type in (int, "int"):
+                values[f.name] = int(raw)
+            elif f.type in (float, "float"):
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return replace(cls(), **values)

@@ -1,0 +1,250 @@
+"""LLMEngine: the synchronous step loop (schedule -> run -> postprocess).
+
+Everything above it is asyncio; `AsyncEngine` (async_engine.py) runs this loop on a thread.
+"""
+
+import time
+
+import torch
+
+from once.engine.attention import PagedKVCache
+from once.engine.config import EngineConfig
+from once.engine.kv.blocks import BlockPool
+from once.engine.kv.connector import KVConnector
+from once.engine.kv.manager import KVCacheManager
+from once.engine.models.llama import LlamaModel
+from once.engine.request import Request, RequestStatus
+from once.engine.runner import ModelRunner
+from once.engine.sampler import sample
+from once.engine.scheduler import Scheduler
+from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
+from once.protocol.errors import (
+    ContextLengthExceededError,
+    InvalidRequestError,
+    OnceError,
+    RequestTooLargeForCacheError,
+)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
+        from once.engine.loader import load_model_weights, resolve_model_path
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        dtype = getattr(torch, config.dtype)
+        model_config, weights, _ = load_model_weights(self.model_path, dtype, config.device)
+        self.model_config = model_config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
+            # Sliding-window attention is not implemented: within the window it is exact.
+            self.max_model_len = model_config.sliding_window
+        self.model = LlamaModel(model_config, weights, self.max_model_len)
+
+        block_size = config.block_size
+        num_blocks = config.num_kv_blocks or int(
+            config.kv_cache_gib
+            * 2**30
+            // PagedKVCache.bytes_per_block(
+                model_config.num_layers,
+                block_size,
+                model_config.num_kv_heads,
+                model_config.head_dim,
+                dtype,
+            )
+        )
+        self.kv_cache = PagedKVCache(
+            model_config.num_layers,
+            num_blocks,
+            block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            config.device,
+        )
+        self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, connector)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[TokenDelta] = []
+        self.counters = dict.fromkeys(
+            [
+                "num_requests_finished",
+                "num_requests_aborted",
+                "num_prompt_tokens",
+                "num_cached_prompt_tokens",
+                "num_computed_prompt_tokens",
+                "num_recomputed_tokens",
+                "num_generated_tokens",
+                "num_steps",
+            ],
+            0,
+        )
+        self.step_time_s = 0.0
+
+    # -- admission -----------------------------------------------------------------------
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Checks that need no engine state, so callers can fail fast on their thread."""
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt has {num_prompt} tokens; this engine's context is "
+                f"{self.max_model_len} tokens and at least one must be left to generate",
+                param="prompt_token_ids",
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in request.prompt_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"token id {bad[0]} is outside the vocabulary (size {vocab})",
+                param="prompt_token_ids",
+            )
+        forced = request.forced_output_ids
+        if forced is not None and (not forced or any(t < 0 or t >= vocab for t in forced)):
+            raise InvalidRequestError(
+                "forced_output_ids must be a non-empty list of ids in the vocabulary",
+                param="forced_output_ids",
+            )
+        max_out = request.sampling.max_tokens if forced is None else len(forced)
+        max_total = min(num_prompt + max_out, self.max_model_len)
+        num_blocks_needed = -(-max_total // self.config.block_size)
+        if num_blocks_needed > self.pool.num_blocks:
+            raise RequestTooLargeForCacheError(
+                f"request needs up to {num_blocks_needed} KV blocks but the cache has "
+                f"{self.pool.num_blocks}; lower max_tokens or raise the KV cache size"
+            )
+
+    def add_request(self, request: GenerateRequest) -> None:
+        self.validate(request)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request.request_id!r} is already running", param="request_id"
+            )
+        state = Request(request, self.model_config.eos_token_ids, self.max_model_len)
+        self.requests[request.request_id] = state
+        self.scheduler.add(state)
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return  # finished already, or never existed: nothing to do
+        self._finish(request, FINISH_ABORT)
+        self.counters["num_requests_aborted"] += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        deltas, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return deltas
+        started = time.perf_counter()
+        try:
+            logits, sampled = self.runner.execute(out.scheduled)
+        except Exception as exc:  # a failed forward fails its requests, not the engine
+            error = OnceError(f"forward failed: {type(exc).__name__}: {exc}")
+            for item in out.scheduled:
+                self._finish(item.request, FINISH_ERROR, error=error.to_dict())
+            return deltas + self._take_pending()
+        token_ids = sample(logits, [s.request for s in sampled], self.generator)
+
+        for item in out.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            num_prompt_part = max(0, min(end, request.num_prompt_tokens) - start)
+            request.metrics.num_computed_tokens += num_prompt_part
+            self.counters["num_computed_prompt_tokens"] += num_prompt_part
+            if start < request.num_tokens - 1 and end > request.num_prompt_tokens:
+                # Output positions run again after a preemption.
+                self.counters["num_recomputed_tokens"] += end - max(
+                    start, request.num_prompt_tokens
+                )
+            request.num_computed_tokens = end
+
+        for item, token in zip(sampled, token_ids, strict=True):
+            request = item.request
+            request.append_output(token)
+            self.counters["num_generated_tokens"] += 1
+            reason = request.check_stop()
+            delta = TokenDelta(request.request_id, [token])
+            if request.num_emitted_tokens == 0:
+                delta.num_cached_tokens = request.metrics.num_cached_tokens
+            request.num_emitted_tokens += 1
+            if reason is not None:
+                self._finish(request, reason, delta=delta)
+            else:
+                deltas.append(delta)
+
+        self.counters["num_steps"] += 1
+        self.step_time_s += time.perf_counter() - started
+        return deltas + self._take_pending()
+
+    def _finish(self, request: Request, reason: str, delta=None, error=None) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.finish(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+        delta = delta or TokenDelta(request.request_id, [])
+        if request.num_emitted_tokens == 0 and delta.num_cached_tokens is None:
+            delta.num_cached_tokens = request.metrics.num_cached_tokens
+        delta.finish_reason = reason
+        delta.error = error
+        delta.metrics = request.finalize_metrics()
+        if reason != FINISH_ABORT:
+            self.counters["num_requests_finished"] += 1
+        self.counters["num_prompt_tokens"] += request.num_prompt_tokens
+        self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
+        self._pending.append(delta)
+
+    def _take_pending(self) -> list[TokenDelta]:
+        pending, self._pending = self._pending, []
+        return pending
+
+    # -- accounting ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        pool = self.pool
+        queried = self.kv.num_query_tokens
+        return {
+            "model": str(self.model_path),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks_total": pool.num_blocks,
+            "num_kv_blocks_free": pool.num_free_blocks,
+            "num_kv_blocks_used": pool.num_used_blocks,
+            "num_kv_blocks_cached": pool.num_cached_blocks,
+            "kv_block_usage": pool.num_used_blocks / pool.num_blocks,
+            "num_kv_evictions": pool.num_evictions,
+            "prefix_cache_query_tokens": queried,
+            "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
+            "prefix_cache_hit_rate": self.kv.num_hit_tokens / queried if queried else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "step_time_s_total": self.step_time_s,
+            "block_size": self.config.block_size,
+            "max_model_len": self.max_model_len,
+            **self.counters,
+        }
+
+    def take_kv_events(self):
+        return self.pool.take_events()
+
+    def generate(self, requests: list[GenerateRequest]) -> dict[str, list[TokenDelta]]:
+        """Run requests to completion (offline use, tests, benchmarks)."""
+        for request in requests:
+            self.add_request(request)
+        results: dict[str, list[TokenDelta]] = {r.request_id: [] for r in requests}
+        while self.has_unfinished_requests():
+            for delta in self.step():
+                results[delta.request_id].append(delta)
+        return results

@@ -1,0 +1,1 @@
+"""Paged KV cache: blocks, hashing, events, connectors."""

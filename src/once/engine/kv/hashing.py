@@ -1,0 +1,55 @@
+"""Chained block hashes for the prefix cache (the scheme vLLM uses).
+
+    hash(block i) = H(hash(block i-1), token ids of block i, extra keys of block i)
+
+so equal hashes mean equal whole prefixes, not just equal blocks. H is SHA-256 over the
+pickled triple, as in vLLM; the first block's parent is a seed hash and its extra keys carry
+the tenant's cache salt, so tenants never share blocks. Hashes are truncated to 64 bits
+(the int form vLLM's KV events use for external consumers) to keep dict keys and event
+payloads small; collisions are still guarded by comparing token ids on every hit.
+"""
+
+import hashlib
+import os
+import pickle
+from collections.abc import Sequence
+
+
+def _seed_hash() -> int:
+    # A fixed seed (not os.urandom) so separate processes (engines, the router's
+    # approximate index, the simulator) compute the same hashes for the same prefix.
+    seed = os.environ.get("ONCE_HASH_SEED", "once")
+    return int.from_bytes(hashlib.sha256(seed.encode()).digest()[:8], "big")
+
+
+NONE_HASH = _seed_hash()
+
+
+def hash_block_tokens(
+    parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> int:
+    parent = NONE_HASH if parent_hash is None else parent_hash
+    payload = pickle.dumps((parent, tuple(token_ids), extra_keys), protocol=5)
+    return int.from_bytes(hashlib.sha256(payload).digest()[:8], "big")
+
+
+def extend_block_hashes(
+    hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> list[int]:
+    """Append the hashes of every full block of `token_ids` not yet in `hashes`."""
+    num_full = len(token_ids) // block_size
+    for i in range(len(hashes), num_full):
+        parent = hashes[i - 1] if i else None
+        extra = (cache_salt,) if (i == 0 and cache_salt) else None
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        hashes.append(hash_block_tokens(parent, block, extra))
+    return hashes
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
+    return extend_block_hashes([], token_ids, block_size, cache_salt)

@@ -1,0 +1,109 @@
+"""KV cache manager: the three calls the scheduler makes (match_prefix, allocate, free).
+
+Block table of a request, for block_size 4 and 10 tokens of which 6 are computed:
+
+    tokens   t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9
+    blocks   [  block 7  ] [  block 2  ] [ block 9 ]
+    hashed   h0 (full)     h1 (full)     - (partial: not cacheable yet)
+
+A block is registered in the prefix cache as soon as it is full and the step that fills it
+has been scheduled: the forward runs before any later request can match it.
+"""
+
+from once.engine.kv.blocks import BlockPool, KVBlock
+from once.engine.kv.connector import KVConnector, NoOpConnector
+from once.engine.kv.hashing import extend_block_hashes
+from once.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, connector: KVConnector | None = None):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.connector = connector or NoOpConnector()
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, found
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def match_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the head of the request's tokens.
+
+        At least one token is always left to compute: the last prompt position must run
+        through the model to produce the logits of the first output token.
+        """
+        if not self.pool.enable_caching:
+            return [], 0
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
+        )
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+            block = self.pool.get_cached_block(block_hash, tokens)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.num_query_tokens += num_prompt_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, hit_blocks: list[KVBlock] = ()
+    ) -> bool:
+        return self._num_blocks_needed(request, num_new_tokens, hit_blocks) <= (
+            self.pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_count == 0)
+        )
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, hit_blocks: list[KVBlock] = ()
+    ) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens; False if short."""
+        if not self.can_allocate(request, num_new_tokens, hit_blocks):
+            return False
+        num_needed = self._num_blocks_needed(request, num_new_tokens, hit_blocks)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            blocks.extend(hit_blocks)
+        if num_needed:
+            blocks.extend(self.pool.get_new_blocks(num_needed))
+        num_prior = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        self._cache_full_blocks(request, num_prior + num_new_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        # Tail first: the end of a prompt is the least likely part to be shared.
+        self.pool.free_blocks(reversed(blocks))
+
+    def _num_blocks_needed(self, request, num_new_tokens, hit_blocks) -> int:
+        num_held = len(self.req_blocks.get(request.request_id, ())) + len(hit_blocks)
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        if hit_blocks:
+            num_tokens += len(hit_blocks) * self.block_size
+        return max(0, -(-num_tokens // self.block_size) - num_held)
+
+    def _cache_full_blocks(self, request: Request, num_tokens_after_step: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        blocks = self.req_blocks[request.request_id]
+        num_full = min(num_tokens_after_step // self.block_size, len(blocks))
+        extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids[: num_full * self.block_size],
+            self.block_size,
+            request.cache_salt,
+        )
+        for i in range(num_full):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue
+            parent = request.block_hashes[i - 1] if i else None
+            tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
+            self.pool.cache_block(block, request.block_hashes[i], parent, tokens)

@@ -1,0 +1,164 @@
+"""Llama-family forward over a paged KV cache.
+
+One forward runs a flat "varlen" batch: the new tokens of every scheduled sequence are
+concatenated into one (T, hidden) tensor, so every linear layer runs once per step however
+the batch mixes decodes, prefill chunks and prefix hits. Only attention looks at sequence
+boundaries (see `once.engine.attention`).
+
+Weights use Hugging Face names on load; q/k/v and gate/up are fused at load time so each
+layer does 4 matmuls instead of 7.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from once.engine.attention import AttentionMetadata, paged_attention
+from once.engine.models.config import ModelConfig
+from once.protocol.errors import ModelLoadError
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        # Llama 3.1 long-context scaling: keep high frequencies, divide low ones by
+        # `factor`, and blend smoothly in between (same formula as the reference).
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """cos/sin tables for all positions, indexed per token (non-interleaved halves)."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device, dtype):
+        inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+        self.cos = freqs.cos().to(device=device, dtype=dtype)  # (max_len, head_dim / 2)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: (T, n_heads, head_dim); rotate pairs (i, i + head_dim/2).
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim / 2)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaLayer:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+        def take(name):
+            return weights[prefix + name]
+
+        self.config = config
+        self.input_norm = take("input_layernorm.weight")
+        self.post_norm = take("post_attention_layernorm.weight")
+        self.qkv_weight = torch.cat(
+            [take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
+             take("self_attn.v_proj.weight")]
+        ).contiguous()  # fmt: skip
+        self.qkv_bias = None
+        if config.attention_bias:
+            self.qkv_bias = torch.cat(
+                [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
+                 take("self_attn.v_proj.bias")]
+            ).contiguous()  # fmt: skip
+        self.o_weight = take("self_attn.o_proj.weight")
+        self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
+        self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
+        self.gate_up_weight = torch.cat(
+            [take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]
+        ).contiguous()
+        self.down_weight = take("mlp.down_proj.weight")
+
+    def forward(self, x, positions, rope, kv_cache, layer_idx, meta: AttentionMetadata):
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        num_tokens = x.shape[0]
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+
+        h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q = F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps)
+            k = F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps)
+        q = rope.apply(q, positions)
+        k = rope.apply(k, positions)
+
+        attn = paged_attention(q, k, v, kv_cache, layer_idx, meta)  # (T, n_heads, head_dim)
+        x = x + F.linear(attn.reshape(num_tokens, q_size), self.o_weight)
+
+        h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, eps)
+        gate_up = F.linear(h, self.gate_up_weight)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+def required_weight_names(config: ModelConfig) -> list[str]:
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if config.attention_bias:
+            names += [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+class LlamaModel:
+    """Plain tensors, no nn.Module: inference only, and nothing to trace or register."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
+        missing = [n for n in required_weight_names(config) if n not in weights]
+        if missing:
+            raise ModelLoadError(f"weights are missing tensor {missing[0]!r}")
+        self.config = config
+        embed = weights["model.embed_tokens.weight"]
+        self.device, self.dtype = embed.device, embed.dtype
+        self.embed = embed
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers = [
+            LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+        ]
+        self.rope = RotaryEmbedding(config, max_len, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_cache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # (N,) rows of the flat batch that need logits
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x, positions, self.rope, kv_cache, i, meta)
+        # The lm head is the biggest matmul: run it only on rows that are sampled.
+        x = x.index_select(0, logits_indices)
+        x = F.rms_norm(x, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
+        return F.linear(x, self.lm_head)  # (N, vocab)

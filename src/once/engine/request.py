@@ -1,0 +1,102 @@
+"""A request's state inside the engine."""
+
+import enum
+import time
+
+import torch
+
+from once.protocol.engine import GenerateRequest, RequestMetrics
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request: GenerateRequest, eos_token_ids: tuple[int, ...], max_len: int):
+        self.request_id = request.request_id
+        self.prompt_token_ids = list(request.prompt_token_ids)
+        self.sampling = request.sampling
+        self.forced_output_ids = request.forced_output_ids
+        self.cache_salt = request.cache_salt
+        self.session_key = request.session_key
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs, for hashing
+        self.block_hashes: list[int] = []  # of full blocks of all_token_ids, grown lazily
+        self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_token_ids = set(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            self.stop_token_ids.update(eos_token_ids)
+        max_tokens = request.sampling.max_tokens
+        if self.forced_output_ids is not None:
+            max_tokens = min(max_tokens, len(self.forced_output_ids))
+        # Stop at the context limit too: the model has no positions beyond it.
+        self.max_output_tokens = min(max_tokens, max_len - len(self.prompt_token_ids))
+        self.generator: torch.Generator | None = None
+        if request.sampling.seed is not None and not request.sampling.greedy:
+            self.generator = torch.Generator().manual_seed(request.sampling.seed)
+
+        self.metrics = RequestMetrics(num_prompt_tokens=len(self.prompt_token_ids))
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.prefix_hit_counted = False  # the first prefix match sets num_cached_tokens
+        self.num_emitted_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def check_stop(self) -> str | None:
+        last = self.output_token_ids[-1]
+        if self.forced_output_ids is not None:
+            if len(self.output_token_ids) >= self.max_output_tokens:
+                return "stop" if last in self.stop_token_ids else "length"
+            return None
+        if last in self.stop_token_ids:
+            return "stop"
+        if len(self.output_token_ids) >= self.max_output_tokens:
+            return "length"
+        return None
+
+    def next_forced_token(self) -> int | None:
+        if self.forced_output_ids is None:
+            return None
+        return self.forced_output_ids[len(self.output_token_ids)]
+
+    def finalize_metrics(self) -> RequestMetrics:
+        m = self.metrics
+        now = time.perf_counter()
+        m.num_output_tokens = len(self.output_token_ids)
+        m.e2e_s = now - self.arrival_time
+        if self.first_scheduled_time is not None:
+            m.queue_s = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            m.ttft_s = self.first_token_time - self.arrival_time
+            if m.num_output_tokens > 1:
+                m.mean_token_latency_s = (self.last_token_time - self.first_token_time) / (
+                    m.num_output_tokens - 1
+                )
+        return m

@@ -1,0 +1,1 @@
+"""Pure data shared by all layers; imports nothing else from once."""

@@ -1,0 +1,184 @@
+"""The engine seam: what every layer above inference sends and receives.
+
+`EngineClient` is implemented by the in-process `AsyncEngine`, the HTTP client of a remote
+`once engine`, the scripted engine used in tests, and (later) the router. Everything here
+is plain data; nothing imports torch.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from once.protocol.errors import InvalidRequestError
+
+FINISH_STOP = "stop"  # a stop token or eos was sampled
+FINISH_LENGTH = "length"  # max_tokens reached (or the forced output ran out)
+FINISH_ABORT = "abort"  # aborted by the caller
+FINISH_ERROR = "error"  # the engine failed this request; see TokenDelta.error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    # temperature 0 means greedy; top_k 0 and top_p 1.0 mean "off".
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature must be >= 0", param="temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0", param="top_k")
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def to_dict(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "stop_token_ids": list(self.stop_token_ids),
+            "ignore_eos": self.ignore_eos,
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SamplingParams":
+        data = dict(data)
+        data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # prompt_cache_key from the API: lets the router keep a session on one replica.
+    session_key: str | None = None
+    # Tenant isolation: the salt enters the hash of the first KV block, so two tenants
+    # never share cached blocks even for identical prompts.
+    cache_salt: str | None = None
+    # Replay: decode exactly these ids (one target forward each) instead of sampling.
+    forced_output_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if not self.request_id:
+            raise InvalidRequestError("request_id must not be empty", param="request_id")
+        if len(self.prompt_token_ids) == 0:
+            raise InvalidRequestError("prompt must not be empty", param="prompt_token_ids")
+        if any((not isinstance(t, int)) or t < 0 for t in self.prompt_token_ids):
+            raise InvalidRequestError(
+                "prompt_token_ids must be non-negative integers", param="prompt_token_ids"
+            )
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "sampling": self.sampling.to_dict(),
+            "session_key": self.session_key,
+            "cache_salt": self.cache_salt,
+            "forced_output_ids": (
+                None if self.forced_output_ids is None else list(self.forced_output_ids)
+            ),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "GenerateRequest":
+        forced = data.get("forced_output_ids")
+        return cls(
+            request_id=str(data.get("request_id") or ""),
+            prompt_token_ids=tuple(data.get("prompt_token_ids") or ()),
+            sampling=SamplingParams.from_dict(data.get("sampling") or {}),
+            session_key=data.get("session_key"),
+            cache_salt=data.get("cache_salt"),
+            forced_output_ids=None if forced is None else tuple(forced),
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request accounting, sent on the last delta."""
+
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_computed_tokens: int = 0  # prompt tokens actually prefilled (incl. recompute)
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    ttft_s: float = 0.0  # arrival -> first output token
+    mean_token_latency_s: float = 0.0  # mean gap between later output tokens
+    e2e_s: float = 0.0
+    queue_s: float = 0.0  # arrival -> first scheduled
+    # Speculative decoding (a later issue) fills these.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RequestMetrics":
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+@dataclass
+class TokenDelta:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None  # set on the first delta of a request
+    metrics: RequestMetrics | None = None  # set on the last delta
+    error: dict | None = None  # OnceError.to_dict() when finish_reason == "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_dict(self) -> dict:
+        return {
+            "request_id": self.request_id,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "num_cached_tokens": self.num_cached_tokens,
+            "metrics": None if self.metrics is None else self.metrics.to_dict(),
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TokenDelta":
+        metrics = data.get("metrics")
+        return cls(
+            request_id=data["request_id"],
+            token_ids=list(data.get("token_ids") or []),
+            finish_reason=data.get("finish_reason"),
+            num_cached_tokens=data.get("num_cached_tokens"),
+            metrics=None if metrics is None else RequestMetrics.from_dict(metrics),
+            error=data.get("error"),
+        )
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """The one seam between the gateway/router and inference.
+
+    `generate` yields deltas until one has a finish_reason. Errors detected before the
+    request is admitted (too long, bad ids) raise an OnceError from the first iteration.
+    """
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def stats(self) -> dict: ...

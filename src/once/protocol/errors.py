@@ -1,0 +1,96 @@
+"""One error tree for every layer.
+
+Each error carries an API error code (the `code` field of an OpenAI-style error body) and
+an HTTP status, so any layer can turn it into a clear response instead of a 500.
+"""
+
+
+class OnceError(Exception):
+    code = "server_error"
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_dict(self) -> dict:
+        return {
+            "type": self.error_type,
+            "code": self.code,
+            "message": self.message,
+            "param": self.param,
+        }
+
+
+class InvalidRequestError(OnceError):
+    code = "invalid_request"
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class RequestTooLargeForCacheError(InvalidRequestError):
+    # The request could never fit in the KV cache, even alone: waiting would hang forever.
+    code = "kv_cache_too_small"
+
+
+class ModelNotFoundError(OnceError):
+    code = "model_not_found"
+    status = 404
+    error_type = "invalid_request_error"
+
+
+class ModelLoadError(OnceError):
+    code = "model_load_failed"
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class UnsupportedModelError(ModelLoadError):
+    code = "unsupported_architecture"
+
+
+class RequestNotFoundError(OnceError):
+    code = "request_not_found"
+    status = 404
+    error_type = "invalid_request_error"
+
+
+class EngineOverloadedError(OnceError):
+    code = "engine_overloaded"
+    status = 503
+    error_type = "server_error"
+
+
+class EngineDeadError(OnceError):
+    code = "engine_unavailable"
+    status = 503
+    error_type = "server_error"
+
+
+ERRORS_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        OnceError,
+        InvalidRequestError,
+        ContextLengthExceededError,
+        RequestTooLargeForCacheError,
+        ModelNotFoundError,
+        ModelLoadError,
+        UnsupportedModelError,
+        RequestNotFoundError,
+        EngineOverloadedError,
+        EngineDeadError,
+    )
+}
+
+
+def error_from_dict(body: dict) -> OnceError:
+    """Rebuild an error that crossed a process boundary (engine server -> client)."""
+    cls = ERRORS_BY_CODE.get(body.get("code", ""), OnceError)
+    return cls(body.get("message", "unknown error"), param=body.get("param"))
