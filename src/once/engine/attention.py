@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from once.engine.kernels import load_paged_decode
+from once.engine.kernels import load_cpu_kernels
 
 # Context partition for the decode kernel's split-K: long contexts are cut into parts of
 # this many blocks so two threads share even a single long sequence.
@@ -102,7 +102,7 @@ def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
 
 
 def decode_attention(q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
-    lib = load_paged_decode() if meta.use_kernel and q.device.type == "cpu" else None
+    lib = load_cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
     if lib is not None and q.dtype == torch.float32:
         return _decode_kernel(lib, q, kv_cache, layer_idx, meta)
     return _decode_torch(q, kv_cache, layer_idx, meta)

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("paged_decode.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -24,18 +24,18 @@ def _build_dir() -> Path:
     return Path(root)
 
 
-def load_paged_decode() -> ctypes.CDLL | None:
-    """The compiled paged decode kernel, or None when it cannot be built here."""
+def load_cpu_kernels() -> ctypes.CDLL | None:
+    """The compiled CPU kernels, or None when they cannot be built here."""
     with _lock:
-        if "paged_decode" in _loaded:
-            return _loaded["paged_decode"]
+        if "cpu" in _loaded:
+            return _loaded["cpu"]
         lib = None
         if os.environ.get("ONCE_DISABLE_KERNELS") != "1":
             try:
                 lib = _compile_and_load()
             except (OSError, subprocess.SubprocessError):
                 lib = None
-        _loaded["paged_decode"] = lib
+        _loaded["cpu"] = lib
         return lib
 
 
@@ -44,7 +44,7 @@ def _compile_and_load() -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = _build_dir() / f"paged_decode-{digest}.so"
+    target = _build_dir() / f"cpu_kernels-{digest}.so"
     if not target.exists():
         if compiler is None:
             return None
@@ -63,4 +63,7 @@ def _compile_and_load() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.small_batch_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     return lib

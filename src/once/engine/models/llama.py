@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from once.engine.attention import AttentionMetadata, paged_attention
+from once.engine.linear import linear
 from once.engine.models.config import ModelConfig
 from once.protocol.errors import ModelLoadError
 
@@ -61,7 +62,8 @@ class RotaryEmbedding:
 class LlamaLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
         def take(name):
-            return weights[prefix + name]
+            # Own, contiguous memory: loaded tensors may be memory-mapped file views.
+            return weights[prefix + name].contiguous().clone()
 
         self.config = config
         self.input_norm = take("input_layernorm.weight")
@@ -92,7 +94,9 @@ class LlamaLayer:
         kv_size = cfg.num_kv_heads * cfg.head_dim
 
         h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, eps)
-        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)  # (T, q_size + 2 * kv_size)
+        qkv = linear(
+            h, self.qkv_weight, self.qkv_bias, meta.use_kernel
+        )  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -104,12 +108,12 @@ class LlamaLayer:
         k = rope.apply(k, positions)
 
         attn = paged_attention(q, k, v, kv_cache, layer_idx, meta)  # (T, n_heads, head_dim)
-        x = x + F.linear(attn.reshape(num_tokens, q_size), self.o_weight)
+        x = x + linear(attn.reshape(num_tokens, q_size), self.o_weight, None, meta.use_kernel)
 
         h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, eps)
-        gate_up = F.linear(h, self.gate_up_weight)
+        gate_up = linear(h, self.gate_up_weight, None, meta.use_kernel)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_weight)
+        return x + linear(F.silu(gate) * up, self.down_weight, None, meta.use_kernel)
 
 
 def required_weight_names(config: ModelConfig) -> list[str]:
@@ -136,11 +140,11 @@ class LlamaModel:
         if missing:
             raise ModelLoadError(f"weights are missing tensor {missing[0]!r}")
         self.config = config
-        embed = weights["model.embed_tokens.weight"]
+        embed = weights["model.embed_tokens.weight"].contiguous().clone()
         self.device, self.dtype = embed.device, embed.dtype
         self.embed = embed
-        self.final_norm = weights["model.norm.weight"]
-        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"].clone()
+        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"].clone()
         self.layers = [
             LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
@@ -161,4 +165,4 @@ class LlamaModel:
         # The lm head is the biggest matmul: run it only on rows that are sampled.
         x = x.index_select(0, logits_indices)
         x = F.rms_norm(x, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head)  # (N, vocab)
+        return linear(x, self.lm_head, None, meta.use_kernel)  # (N, vocab)

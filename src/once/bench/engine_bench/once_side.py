@@ -1,0 +1,181 @@
+"""The once engine's side: throughput, decode step time and the multi-turn session."""
+
+import random
+import time
+from dataclasses import dataclass
+
+from once.bench.engine_bench.workloads import random_ids
+from once.engine.config import EngineConfig
+from once.engine.core import LLMEngine
+from once.protocol.engine import GenerateRequest, RequestMetrics, SamplingParams
+
+
+def greedy(num_tokens: int) -> SamplingParams:
+    # ignore_eos: every request produces exactly num_tokens, as min_new_tokens does in HF.
+    return SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+
+
+def make_engine(model: str, num_threads: int, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, num_threads=num_threads, **overrides))
+
+
+def warm_up(engine: LLMEngine, vocab_size: int) -> None:
+    """One short request so that first-call costs stay out of every measurement."""
+    prompt = tuple(random_ids(random.Random("warm-up"), 32, vocab_size))
+    engine.generate([GenerateRequest("warm-up", prompt, greedy(4))])
+
+
+def _work_done(engine: LLMEngine) -> tuple[int, int, int]:
+    stats = engine.stats()
+    return (
+        stats["num_computed_prompt_tokens"],
+        stats["num_recomputed_tokens"],
+        stats["num_generated_tokens"],
+    )
+
+
+def run_timed(engine: LLMEngine, requests: list[GenerateRequest]) -> dict:
+    """Submit all requests at once and step until all finish, timing every step.
+
+    A step is decode-only when the engine's counters show it prefilled no prompt token
+    and recomputed none, yet generated some: chunked-prefill steps (which may also carry
+    decodes) never enter the decode mean.
+    """
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    metrics: dict[str, RequestMetrics] = {}
+    decode_step_s: list[float] = []
+    started = time.perf_counter()
+    for request in requests:
+        engine.add_request(request)
+    before = _work_done(engine)
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        deltas = engine.step()
+        elapsed = time.perf_counter() - t0
+        after = _work_done(engine)
+        if after[:2] == before[:2] and after[2] > before[2]:
+            decode_step_s.append(elapsed)
+        before = after
+        for delta in deltas:
+            outputs[delta.request_id].extend(delta.token_ids)
+            if delta.metrics is not None:
+                metrics[delta.request_id] = delta.metrics
+    elapsed_s = time.perf_counter() - started
+    num_output = sum(len(ids) for ids in outputs.values())
+    return {
+        "elapsed_s": elapsed_s,
+        "num_output_tokens": num_output,
+        "output_tok_s": num_output / elapsed_s,
+        "num_decode_steps": len(decode_step_s),
+        "decode_step_ms": 1000 * sum(decode_step_s) / len(decode_step_s) if decode_step_s else None,
+        "outputs": outputs,
+        "metrics": metrics,
+    }
+
+
+def measure_throughput(engine: LLMEngine, prompts: list[list[int]], num_output: int) -> dict:
+    requests = [
+        GenerateRequest(f"c{len(prompts)}-{i}", tuple(p), greedy(num_output))
+        for i, p in enumerate(prompts)
+    ]
+    result = run_timed(engine, requests)
+    expected = len(prompts) * num_output
+    if result["num_output_tokens"] != expected:
+        raise RuntimeError(
+            f"once produced {result['num_output_tokens']} tokens, expected {expected}"
+        )
+    return {
+        "concurrency": len(prompts),
+        "elapsed_s": result["elapsed_s"],
+        "output_tok_s": result["output_tok_s"],
+        "decode_step_ms": result["decode_step_ms"],
+        "num_decode_steps": result["num_decode_steps"],
+        "num_cached_tokens": sum(m.num_cached_tokens for m in result["metrics"].values()),
+    }
+
+
+def measure_long_context(engine: LLMEngine, prompt: list[int], num_decode: int) -> dict:
+    """Prefill `prompt`, then time `num_decode` single-sequence decode steps after it."""
+    request = GenerateRequest(f"ctx-{len(prompt)}", tuple(prompt), greedy(num_decode + 1))
+    result = run_timed(engine, [request])
+    prefill_s = result["metrics"][request.request_id].ttft_s
+    return {
+        "context_tokens": len(prompt),
+        "decode_step_ms": result["decode_step_ms"],
+        "num_decode_steps": result["num_decode_steps"],
+        "prefill_s": prefill_s,
+        "prefill_tok_s": len(prompt) / prefill_s,
+    }
+
+
+@dataclass(frozen=True)
+class SessionShape:
+    num_turns: int = 20
+    system_tokens: int = 1000
+    task_tokens: int = 100
+    new_tokens: int = 300  # appended by each later turn, after the previous output
+    output_tokens: int = 64
+
+    @property
+    def max_tokens(self) -> int:
+        """Prompt plus output of the last turn: the context the engine must hold."""
+        first = self.system_tokens + self.task_tokens
+        return (
+            first
+            + (self.num_turns - 1) * (self.output_tokens + self.new_tokens)
+            + (self.output_tokens)
+        )
+
+
+def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: str) -> dict:
+    """Play the session turn by turn, one request at a time, and keep the ledger.
+
+    Turn 1 is the system prompt plus the task, all of it new. Turn k > 1 is turn k-1's
+    prompt + its output + `new_tokens` fresh ids: new = output + fresh. The fresh ids
+    come from one seeded stream, so runs with and without the cache see the same text.
+
+    With the cache a later turn computes its fresh ids plus the tail of the previous turn
+    that fills no whole block (at least the last output token, sampled but never run
+    through the model): between fresh + 1 and fresh + block_size tokens. The previous
+    output counts as new yet its KV was computed while decoding it, so computed/new can
+    sit a little below 1.
+    """
+    rng = random.Random(seed)
+    prompt = random_ids(rng, shape.system_tokens + shape.task_tokens, vocab_size)
+    num_new = len(prompt)
+    output: list[int] = []
+    turns = []
+    started = time.perf_counter()
+    for turn in range(1, shape.num_turns + 1):
+        if turn > 1:
+            fresh = random_ids(rng, shape.new_tokens, vocab_size)
+            prompt = prompt + output + fresh
+            num_new = len(output) + len(fresh)
+        request = GenerateRequest(f"turn-{turn}", tuple(prompt), greedy(shape.output_tokens))
+        deltas = engine.generate([request])[request.request_id]
+        output = [t for d in deltas for t in d.token_ids]
+        metrics = deltas[-1].metrics
+        turns.append(
+            {
+                "turn": turn,
+                "prompt_tokens": len(prompt),
+                "new_tokens": num_new,
+                "computed_tokens": metrics.num_computed_tokens,
+                "cached_tokens": metrics.num_cached_tokens,
+                "ttft_ms": 1000 * metrics.ttft_s,
+                "e2e_ms": 1000 * metrics.e2e_s,
+            }
+        )
+    total_new = sum(t["new_tokens"] for t in turns)
+    total_computed = sum(t["computed_tokens"] for t in turns)
+    return {
+        "prefix_caching": engine.config.enable_prefix_caching,
+        "elapsed_s": time.perf_counter() - started,
+        "total_prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "total_new_tokens": total_new,
+        "total_computed_tokens": total_computed,
+        "total_cached_tokens": sum(t["cached_tokens"] for t in turns),
+        "computed_over_new": total_computed / total_new,
+        "ttft_ratio_last_first": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"],
+        "turns": turns,
+    }

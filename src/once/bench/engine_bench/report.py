@@ -1,0 +1,162 @@
+"""Headline ratios, the bars they are held to, machine facts and the table for humans."""
+
+import os
+import platform
+import resource
+import sys
+import time
+
+# name -> (comparison, threshold). Ratios are once / transformers unless named otherwise.
+BARS = {
+    "throughput_ratio_c32": (">=", 2.5),
+    "step_ratio_b1": ("<=", 0.6),
+    "step_ratio_b1_ctx8k": ("<=", 0.3),
+    "session_computed_over_new": ("<=", 1.15),
+    "session_ttft_ratio_20_1": ("<=", 2.0),
+}
+
+
+def _ratio(numerator, denominator):
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def headline(results: dict) -> dict:
+    """The five headline figures; None where the run did not measure them."""
+    once, hf = results["once"], results.get("transformers") or {}
+    max_c = max(once["throughput"], key=int, default=None)
+    once_c = once["throughput"].get(max_c, {})
+    hf_c = hf.get("throughput", {}).get(max_c, {})
+    once_c1 = once["throughput"].get("1", {})
+    hf_c1 = hf.get("throughput", {}).get("1", {})
+    once_long = once.get("long_context") or {}
+    hf_long = hf.get("long_context") or {}
+    session = (results.get("session") or {}).get("cached") or {}
+    return {
+        # Named after the default run (c32, 8k, 20 turns); `sizes` says what was measured.
+        "throughput_ratio_c32": _ratio(once_c.get("output_tok_s"), hf_c.get("output_tok_s")),
+        "step_ratio_b1": _ratio(once_c1.get("decode_step_ms"), hf_c1.get("decode_step_ms")),
+        "step_ratio_b1_ctx8k": _ratio(
+            once_long.get("decode_step_ms"), hf_long.get("decode_step_ms")
+        ),
+        "session_computed_over_new": session.get("computed_over_new"),
+        "session_ttft_ratio_20_1": session.get("ttft_ratio_last_first"),
+    }
+
+
+def bars(figures: dict) -> dict:
+    out = {}
+    for name, (op, threshold) in BARS.items():
+        value = figures.get(name)
+        passed = None
+        if value is not None:
+            passed = value >= threshold if op == ">=" else value <= threshold
+        out[name] = {"value": value, "op": op, "threshold": threshold, "pass": passed}
+    return out
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, machine busy CPU s, this process's CPU s), for `other_cpu_load`."""
+    busy = 0.0
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # - idle, iowait
+    except (OSError, ValueError, IndexError):
+        pass
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+
+
+def other_cpu_load(start: tuple, end: tuple) -> float | None:
+    """Cores kept busy by other processes during the run, on average (0 on a quiet box).
+
+    Torch's OpenMP threads stall at every barrier when a core is taken by someone else,
+    so a run with this above ~0.2 measures the neighbors as much as the engines.
+    """
+    wall = end[0] - start[0]
+    if wall <= 0 or end[1] == 0.0:
+        return None
+    return max(0.0, (end[1] - start[1]) - (end[2] - start[2])) / wall
+
+
+def machine_info(num_threads: int) -> dict:
+    import torch
+    import transformers
+
+    cpu_model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "num_threads": num_threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+
+
+def _fmt(value, spec=".1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render_table(results: dict) -> str:
+    once, hf = results["once"], results.get("transformers") or {}
+    lines = [f"once bench engine  model={results['model']}  threads={results['num_threads']}"]
+    lines.append("")
+    lines.append("throughput       once tok/s  hf tok/s  ratio   once step ms  hf step ms")
+    for c, row in once["throughput"].items():
+        peer = hf.get("throughput", {}).get(c, {})
+        lines.append(
+            f"  c{c:<13} {_fmt(row['output_tok_s']):>10}  {_fmt(peer.get('output_tok_s')):>8}"
+            f"  {_fmt(_ratio(row['output_tok_s'], peer.get('output_tok_s')), '.2f'):>5}"
+            f"   {_fmt(row['decode_step_ms']):>12}  {_fmt(peer.get('decode_step_ms')):>10}"
+        )
+    long_once, long_hf = once.get("long_context"), hf.get("long_context") or {}
+    if long_once:
+        lines.append(
+            f"  b1 @ {long_once['context_tokens']} ctx: step ms once "
+            f"{_fmt(long_once['decode_step_ms'])} hf {_fmt(long_hf.get('decode_step_ms'))}; "
+            f"prefill tok/s once {_fmt(long_once['prefill_tok_s'])} "
+            f"hf {_fmt(long_hf.get('prefill_tok_s'))}"
+        )
+    session = results.get("session") or {}
+    if session:
+        lines.append("")
+        lines.append(
+            "session turn  prompt   new  | cache: computed cached ttft ms"
+            " | no cache: computed ttft ms"
+        )
+        cached, uncached = session["cached"], session["uncached"]
+        for a, b in zip(cached["turns"], uncached["turns"], strict=True):
+            lines.append(
+                f"  {a['turn']:>10}  {a['prompt_tokens']:>6} {a['new_tokens']:>5}  |"
+                f" {a['computed_tokens']:>15} {a['cached_tokens']:>6} {a['ttft_ms']:>7.0f}"
+                f" | {b['computed_tokens']:>18} {b['ttft_ms']:>7.0f}"
+            )
+        lines.append(
+            f"  total computed/new: cache {cached['computed_over_new']:.3f}, "
+            f"no cache {uncached['computed_over_new']:.3f}"
+        )
+    lines.append("")
+    lines.append(
+        f"llama.cpp: {results['llama_cpp'].get('status')} "
+        f"{results['llama_cpp'].get('reason', '')}".rstrip()
+    )
+    lines.append("bars:")
+    for name, bar in results["bars"].items():
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[bar["pass"]]
+        lines.append(
+            f"  {name:<28} {_fmt(bar['value'], '.3f'):>8} {bar['op']} {bar['threshold']:<5}"
+            f" {verdict}"
+        )
+    return "\n".join(lines)
