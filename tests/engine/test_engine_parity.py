@@ -117,3 +117,23 @@ def test_preemption_recomputes_to_the_same_tokens(tiny_model_dir):
         want = [t for d in roomy[r.request_id] for t in d.token_ids]
         assert got == want
     assert tight.pool.num_free_blocks == tight.pool.num_blocks
+
+
+def test_connector_moves_kv_between_engines_with_identical_logits(tiny_model_dir, tiny_reference):
+    from once.engine.kv.memory_connector import HostMemoryConnector
+
+    connector = HostMemoryConnector()
+    config = EngineConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=128)
+    first = LLMEngine(config, connector=connector)
+    prompt = prompts(9, [22])[0]
+    first.generate([GenerateRequest("a", tuple(prompt), GREEDY)])
+    assert connector.num_saved == (22 + 5) // 4  # every full block of prompt + outputs
+
+    # A fresh engine with an empty device cache gets the prefix through the connector.
+    second = LLMEngine(config, connector=connector)
+    records = capture_logits(second)
+    out = second.generate([GenerateRequest("b", tuple(prompt + [7, 8, 9]), GREEDY)])
+    assert out["b"][0].num_cached_tokens == 20 and connector.num_loaded == 5
+    assert second.stats()["external_kv_hit_tokens"] == 20
+    assert_logits_match(tiny_reference, records)
+    assert second.pool.num_free_blocks == second.pool.num_blocks

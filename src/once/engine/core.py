@@ -65,7 +65,8 @@ class LLMEngine:
             config.device,
         )
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
-        self.kv = KVCacheManager(self.pool, connector)
+        self.connector = connector
+        self.kv = KVCacheManager(self.pool, connector, self._load_block)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -155,6 +156,8 @@ class LLMEngine:
                 self._finish(item.request, FINISH_ERROR, error=error.to_dict())
             return deltas + self._take_pending()
         token_ids = sample(logits, [s.request for s in sampled], self.generator)
+        if self.kv.has_connector:
+            self._save_new_blocks()
 
         for item in out.scheduled:
             request = item.request
@@ -207,6 +210,18 @@ class LLMEngine:
         self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
         self._pending.append(delta)
 
+    def _save_new_blocks(self) -> None:
+        # Blocks registered while scheduling this step now hold their computed K/V.
+        for block in self.pool.take_newly_cached():
+            k = self.kv_cache.k[:, block.block_id]  # (num_layers, block_size, kv_heads, dim)
+            v = self.kv_cache.v[:, block.block_id]
+            self.connector.save(block.block_hash, k, v)
+
+    def _load_block(self, block_id: int, block_hash: int) -> bool:
+        return self.connector.load(
+            block_hash, self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
+        )
+
     def _take_pending(self) -> list[TokenDelta]:
         pending, self._pending = self._pending, []
         return pending
@@ -229,6 +244,7 @@ class LLMEngine:
             "prefix_cache_query_tokens": queried,
             "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
             "prefix_cache_hit_rate": self.kv.num_hit_tokens / queried if queried else 0.0,
+            "external_kv_hit_tokens": self.kv.num_external_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "step_time_s_total": self.step_time_s,
             "block_size": self.config.block_size,

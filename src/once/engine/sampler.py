@@ -29,7 +29,8 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
     for row in sampled_rows:
         request = requests[row]
         gen = request.generator or default_gen
-        token_ids[row] = sample_row(logits[row], request.sampling, gen)
+        # Generators live on the CPU; one row of logits is cheap to move there.
+        token_ids[row] = sample_row(logits[row].cpu(), request.sampling, gen)
     return token_ids
 
 

@@ -41,6 +41,10 @@ class BlockPool:
         self.cached: dict[int, KVBlock] = {}
         self.events: list[KVEvent] = []
         self.num_evictions = 0
+        # Blocks registered since the last take_newly_cached(): the engine hands them to
+        # its KVConnector once the forward that fills them has run.
+        self.track_newly_cached = False
+        self.newly_cached: list[KVBlock] = []
 
     @property
     def num_blocks(self) -> int:
@@ -101,6 +105,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        if self.track_newly_cached:
+            self.newly_cached.append(block)
         self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
         return True
 
@@ -123,6 +129,10 @@ class BlockPool:
         self.cached.clear()
         self.events.append(AllBlocksCleared())
         return True
+
+    def take_newly_cached(self) -> list[KVBlock]:
+        blocks, self.newly_cached = self.newly_cached, []
+        return blocks
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -10,6 +10,8 @@ A block is registered in the prefix cache as soon as it is full and the step tha
 has been scheduled: the forward runs before any later request can match it.
 """
 
+from collections.abc import Callable
+
 from once.engine.kv.blocks import BlockPool, KVBlock
 from once.engine.kv.connector import KVConnector, NoOpConnector
 from once.engine.kv.hashing import extend_block_hashes
@@ -17,10 +19,21 @@ from once.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, connector: KVConnector | None = None):
+    def __init__(
+        self,
+        pool: BlockPool,
+        connector: KVConnector | None = None,
+        load_block: Callable[[int, int], bool] | None = None,
+    ):
         self.pool = pool
         self.block_size = pool.block_size
         self.connector = connector or NoOpConnector()
+        # load_block(block_id, block_hash) copies a block from the connector into the
+        # device cache; the engine supplies it because only it holds the KV tensors.
+        self.load_block = load_block
+        self.has_connector = not isinstance(self.connector, NoOpConnector)
+        pool.track_newly_cached = self.has_connector
+        self.num_external_hit_tokens = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, found
@@ -47,7 +60,31 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.has_connector and len(hits) < max_blocks:
+            hits += self._load_external(request, hits, max_blocks)
         return hits, len(hits) * self.block_size
+
+    def _load_external(self, request: Request, hits: list[KVBlock], max_blocks: int):
+        # Device miss: ask the connector (host/disk tier, or a prefill node) for the next
+        # run of blocks, copy them into fresh device blocks and cache them there. They are
+        # released to ref 0 at once (cached, in the free queue) and taken like any hit.
+        wanted = request.block_hashes[len(hits) : max_blocks]
+        num_available = min(self.connector.lookup(wanted), self.pool.num_free_blocks)
+        loaded: list[KVBlock] = []
+        for i, block in enumerate(self.pool.get_new_blocks(num_available)):
+            index = len(hits) + i
+            tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
+            parent = request.block_hashes[index - 1] if index else None
+            if len(loaded) != i or not self.load_block(block.block_id, wanted[i]):
+                self.pool.free_blocks([block])
+                continue
+            self.pool.cache_block(block, wanted[i], parent, tokens)
+            loaded.append(block)
+        self.pool.free_blocks(reversed(loaded))
+        # Blocks that came from the connector need not be saved back to it.
+        self.pool.newly_cached = [b for b in self.pool.newly_cached if b not in loaded]
+        self.num_external_hit_tokens += len(loaded) * self.block_size
+        return loaded
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_prompt_tokens
