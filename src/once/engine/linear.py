@@ -1,6 +1,6 @@
 """The engine's matmul: a bandwidth-bound C kernel for a few rows, torch (MKL) otherwise.
 
-A decode step at batch 1-4 is a pass over all the weights; there the C kernel streams
+A decode step at batch 1-8 is a pass over all the weights; there the C kernel streams
 them about 3x faster than MKL's sgemv on this CPU. From 8 rows up the matmul becomes
 compute-bound and MKL's blocked GEMM wins, so larger batches and prefills use F.linear.
 """
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from once.engine.kernels import load_cpu_kernels
 
-SMALL_BATCH_MAX_ROWS = 4
+SMALL_BATCH_MAX_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, use_kernel: bool = True):
