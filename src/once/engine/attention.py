@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from once.engine.kernels import load_cpu_kernels
+from once.engine.memory import zeros_huge
 
 # Context partition for the decode kernel's split-K: long contexts are cut into parts of
 # this many blocks so two threads share even a single long sequence.
@@ -29,8 +30,8 @@ class PagedKVCache:
 
     def __init__(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros_huge(shape, dtype, device)
+        self.v = zeros_huge(shape, dtype, device)
         self.block_size = block_size
         self.num_blocks = num_blocks
 

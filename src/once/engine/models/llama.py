@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from once.engine.attention import AttentionMetadata, paged_attention
 from once.engine.linear import linear
+from once.engine.memory import copy_to_huge
 from once.engine.models.config import ModelConfig
 from once.protocol.errors import ModelLoadError
 
@@ -63,15 +64,15 @@ class LlamaLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
         def take(name):
             # Own, contiguous memory: loaded tensors may be memory-mapped file views.
-            return weights[prefix + name].contiguous().clone()
+            return copy_to_huge(weights[prefix + name])
 
         self.config = config
         self.input_norm = take("input_layernorm.weight")
         self.post_norm = take("post_attention_layernorm.weight")
-        self.qkv_weight = torch.cat(
+        self.qkv_weight = copy_to_huge(torch.cat(
             [take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
              take("self_attn.v_proj.weight")]
-        ).contiguous()  # fmt: skip
+        ))  # fmt: skip
         self.qkv_bias = None
         if config.attention_bias:
             self.qkv_bias = torch.cat(
@@ -81,9 +82,9 @@ class LlamaLayer:
         self.o_weight = take("self_attn.o_proj.weight")
         self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
-        self.gate_up_weight = torch.cat(
-            [take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")]
-        ).contiguous()
+        self.gate_up_weight = copy_to_huge(
+            torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
+        )
         self.down_weight = take("mlp.down_proj.weight")
 
     def forward(self, x, positions, rope, kv_cache, layer_idx, meta: AttentionMetadata):
@@ -140,11 +141,13 @@ class LlamaModel:
         if missing:
             raise ModelLoadError(f"weights are missing tensor {missing[0]!r}")
         self.config = config
-        embed = weights["model.embed_tokens.weight"].contiguous().clone()
+        embed = copy_to_huge(weights["model.embed_tokens.weight"])
         self.device, self.dtype = embed.device, embed.dtype
         self.embed = embed
         self.final_norm = weights["model.norm.weight"].clone()
-        self.lm_head = embed if config.tie_word_embeddings else weights["lm_head.weight"].clone()
+        self.lm_head = (
+            embed if config.tie_word_embeddings else copy_to_huge(weights["lm_head.weight"])
+        )
         self.layers = [
             LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
         ]
