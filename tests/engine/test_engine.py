@@ -202,14 +202,22 @@ async def test_async_engine_streams_and_aborts_on_cancel(tiny_model_dir):
         await engine.close()
 
 
-def test_kernel_and_torch_paths_agree_on_long_decode(tiny_model_dir):
-    # Contexts longer than one decode partition exercise the split-K merge.
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_kernel_and_torch_paths_agree_on_long_decode(tmp_path, head_dim):
+    from once.engine.testing import make_tiny_model
+
+    # head_dim 64 and 128 take the kernel's vectorized path, others its scalar path;
+    # contexts longer than one decode partition exercise the split-K merge.
+    folder = make_tiny_model(tmp_path / "m", hidden_size=64, head_dim=head_dim)
     prompt = torch.randint(3, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
     results = []
     for use_kernel in (True, False):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=128))
+        engine = LLMEngine(EngineConfig(model=str(folder), block_size=4, num_kv_blocks=128))
         engine.runner.use_kernel = use_kernel
-        results.append(
-            tokens_of(engine.generate([req("a", prompt, temperature=0, ignore_eos=True)])["a"])
-        )
+        batch = [
+            req("a", prompt, temperature=0, ignore_eos=True),
+            req("b", prompt[:50], temperature=0),
+        ]
+        out = engine.generate(batch)
+        results.append([tokens_of(out["a"]), tokens_of(out["b"])])
     assert results[0] == results[1]

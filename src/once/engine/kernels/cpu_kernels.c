@@ -26,10 +26,15 @@
 
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+// Tree reduction of 16 lanes: 4 shuffle+add levels instead of a 15-add chain.
 static inline float hsum16(v16f v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Scores of the `group` query heads that share one kv head, against rows j of the

@@ -52,10 +52,13 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device=device, dtype=dtype)  # (max_len, head_dim / 2)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Looked up once per forward and shared by every layer: (T, 1, head_dim / 2).
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: (T, n_heads, head_dim); rotate pairs (i, i + head_dim/2).
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, head_dim / 2)
-        sin = self.sin[positions].unsqueeze(1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -87,7 +90,7 @@ class LlamaLayer:
         )
         self.down_weight = take("mlp.down_proj.weight")
 
-    def forward(self, x, positions, rope, kv_cache, layer_idx, meta: AttentionMetadata):
+    def forward(self, x, rope_tables, kv_cache, layer_idx, meta: AttentionMetadata):
         cfg = self.config
         eps = cfg.rms_norm_eps
         num_tokens = x.shape[0]
@@ -95,18 +98,19 @@ class LlamaLayer:
         kv_size = cfg.num_kv_heads * cfg.head_dim
 
         h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, eps)
-        qkv = linear(
-            h, self.qkv_weight, self.qkv_bias, meta.use_kernel
-        )  # (T, q_size + 2 * kv_size)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps)
-            k = F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps)
-        q = rope.apply(q, positions)
-        k = rope.apply(k, positions)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias, meta.use_kernel)  # (T, q + 2 kv)
+        cos, sin = rope_tables
+        if self.q_norm is None:
+            # q and k are adjacent in the fused projection: rotate both in one pass.
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, -1)
+            qk = RotaryEmbedding.apply(qk, cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, cfg.num_kv_heads, -1)
+            q = RotaryEmbedding.apply(F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps), cos, sin)
+            k = RotaryEmbedding.apply(F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps), cos, sin)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
         attn = paged_attention(q, k, v, kv_cache, layer_idx, meta)  # (T, n_heads, head_dim)
         x = x + linear(attn.reshape(num_tokens, q_size), self.o_weight, None, meta.use_kernel)
@@ -163,8 +167,9 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # (N,) rows of the flat batch that need logits
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, hidden)
+        rope_tables = self.rope.tables(positions)
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, positions, self.rope, kv_cache, i, meta)
+            x = layer.forward(x, rope_tables, kv_cache, i, meta)
         # The lm head is the biggest matmul: run it only on rows that are sampled.
         x = x.index_select(0, logits_indices)
         x = F.rms_norm(x, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
