@@ -22,8 +22,6 @@
 #include <string.h>
 
 // 16 floats: GCC's portable vector type (one AVX-512 register where available).
-#define PREFETCH_TOKENS 8
-
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -37,71 +35,78 @@ static inline float hsum16(v16f v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// Scores of the `group` query heads that share one kv head, against rows j of the
-// partition: NC chunks of 16 dims, the query chunks held in registers across tokens.
-// Independent accumulators per head keep the FMA units busy instead of waiting on one
-// reduction chain per dot product.
-static inline __attribute__((always_inline)) void group_scores(
+// Scores of every query head against each K row of a partition. Rows are visited block by
+// block (one block-table lookup per block, no division per token); each row holds all kv
+// heads and is read once, contiguously. The next block's row at the same offset is
+// prefetched: blocks are scattered in memory, so the hardware cannot guess it.
+static inline __attribute__((always_inline)) void partition_scores(
     const float *qs, const float *k_cache, const int32_t *table, int start, int n,
     int block_size, long block_stride, long token_stride, int num_kv_heads, int group,
     int head_dim, int part_tokens, float *scores, const int NC) {
-    // Token rows outer, so each row (all kv heads) is read once, contiguously; the query
-    // chunks come from L1.
-    for (int j = 0; j < n; j++) {
-        const int t = start + j;
-        const float *row = k_cache + (long)table[t / block_size] * block_stride +
-                           (t % block_size) * token_stride;
-        if (j + PREFETCH_TOKENS < n) {
-            // Blocks are scattered in memory: fetch rows ahead of use.
-            const int tp = t + PREFETCH_TOKENS;
-            const float *next = k_cache + (long)table[tp / block_size] * block_stride +
-                                (tp % block_size) * token_stride;
-            for (int c = 0; c < NC * num_kv_heads; c++) __builtin_prefetch(next + 16 * c);
-        }
-        for (int g = 0; g < num_kv_heads; g++) {
-            v16f kv[8];
-            for (int c = 0; c < NC; c++) memcpy(&kv[c], row + g * head_dim + 16 * c, 64);
-            for (int h = 0; h < group; h++) {
-                const float *qh = qs + (g * group + h) * head_dim;
-                v16f qc;
-                memcpy(&qc, qh, 64);
-                v16f acc = qc * kv[0];
-                for (int c = 1; c < NC; c++) {
-                    memcpy(&qc, qh + 16 * c, 64);
-                    acc += qc * kv[c];
+    const int first_block = start / block_size;
+    const int num_blocks = (n + block_size - 1) / block_size;
+    for (int b = 0; b < num_blocks; b++) {
+        const float *blk = k_cache + (long)table[first_block + b] * block_stride;
+        const float *next = b + 1 < num_blocks
+                                ? k_cache + (long)table[first_block + b + 1] * block_stride
+                                : NULL;
+        const int count = n - b * block_size < block_size ? n - b * block_size : block_size;
+        for (int i = 0; i < count; i++) {
+            const int j = b * block_size + i;
+            const float *row = blk + i * token_stride;
+            if (next)
+                for (int c = 0; c < NC * num_kv_heads; c++)
+                    __builtin_prefetch(next + i * token_stride + 16 * c);
+            for (int g = 0; g < num_kv_heads; g++) {
+                v16f kv[8];
+                for (int c = 0; c < NC; c++) memcpy(&kv[c], row + g * head_dim + 16 * c, 64);
+                for (int h = 0; h < group; h++) {
+                    const float *qh = qs + (g * group + h) * head_dim;
+                    v16f qc;
+                    memcpy(&qc, qh, 64);
+                    v16f acc = qc * kv[0];
+                    for (int c = 1; c < NC; c++) {
+                        memcpy(&qc, qh + 16 * c, 64);
+                        acc += qc * kv[c];
+                    }
+                    scores[(g * group + h) * part_tokens + j] = hsum16(acc);
                 }
-                scores[(g * group + h) * part_tokens + j] = hsum16(acc);
             }
         }
     }
 }
 
-// acc[head] += sum_j p[head][j] * V[j] for the query heads of kv head g (4 at a time, so
-// 4 x NC accumulators stay in registers while the V rows stream past).
-static inline __attribute__((always_inline)) void group_values(
+// acc[head] += sum_j p[head][j] * V[j] over a partition, for the query heads of kv head g
+// (4 at a time, so 4 x NC accumulators stay in registers while the V rows stream past).
+static inline __attribute__((always_inline)) void partition_values(
     float *acc, const float *v_cache, const int32_t *table, int start, int n, int block_size,
     long block_stride, long token_stride, int g, int group, int head_dim, int part_tokens,
     const float *scores, const int NC) {
+    const int first_block = start / block_size;
+    const int num_blocks = (n + block_size - 1) / block_size;
     for (int h0 = 0; h0 < group; h0 += 4) {
         const int nh = group - h0 < 4 ? group - h0 : 4;
         v16f av[4][8];
         for (int h = 0; h < 4; h++)
             for (int c = 0; c < NC; c++) av[h][c] = (v16f){0};
-        for (int j = 0; j < n; j++) {
-            const int t = start + j;
-            const float *vr = v_cache + (long)table[t / block_size] * block_stride +
-                              (t % block_size) * token_stride + g * head_dim;
-            if (j + PREFETCH_TOKENS < n) {
-                const int tp = t + PREFETCH_TOKENS;
-                const float *next = v_cache + (long)table[tp / block_size] * block_stride +
-                                    (tp % block_size) * token_stride + g * head_dim;
-                for (int c = 0; c < NC; c++) __builtin_prefetch(next + 16 * c);
-            }
-            v16f vv[8];
-            for (int c = 0; c < NC; c++) memcpy(&vv[c], vr + 16 * c, 64);
-            for (int h = 0; h < nh; h++) {
-                const float w = scores[(g * group + h0 + h) * part_tokens + j];
-                for (int c = 0; c < NC; c++) av[h][c] += w * vv[c];
+        for (int b = 0; b < num_blocks; b++) {
+            const float *blk = v_cache + (long)table[first_block + b] * block_stride + g * head_dim;
+            const float *next =
+                b + 1 < num_blocks
+                    ? v_cache + (long)table[first_block + b + 1] * block_stride + g * head_dim
+                    : NULL;
+            const int count = n - b * block_size < block_size ? n - b * block_size : block_size;
+            for (int i = 0; i < count; i++) {
+                const int j = b * block_size + i;
+                const float *vr = blk + i * token_stride;
+                if (next && h0 == 0)
+                    for (int c = 0; c < NC; c++) __builtin_prefetch(next + i * token_stride + 16 * c);
+                v16f vv[8];
+                for (int c = 0; c < NC; c++) memcpy(&vv[c], vr + 16 * c, 64);
+                for (int h = 0; h < nh; h++) {
+                    const float w = scores[(g * group + h0 + h) * part_tokens + j];
+                    for (int c = 0; c < NC; c++) av[h][c] += w * vv[c];
+                }
             }
         }
         for (int h = 0; h < nh; h++)
@@ -150,10 +155,10 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
             // Pass 1: every query head against each K row; a kv head's row is loaded once
             // for all query heads of its group.
             if (vector_path && head_dim == 64)
-                group_scores(qs, k_cache, table, start, n, block_size, block_stride,
+                partition_scores(qs, k_cache, table, start, n, block_size, block_stride,
                              token_stride, num_kv_heads, group, head_dim, part_tokens, scores, 4);
             else if (vector_path)
-                group_scores(qs, k_cache, table, start, n, block_size, block_stride,
+                partition_scores(qs, k_cache, table, start, n, block_size, block_stride,
                              token_stride, num_kv_heads, group, head_dim, part_tokens, scores, 8);
             for (int j = 0; !vector_path && j < n; j++) {
                 const int t = start + j;
@@ -187,10 +192,10 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
             // Pass 2: weighted sum of the V rows.
             for (int g = 0; vector_path && g < num_kv_heads; g++) {
                 if (head_dim == 64)
-                    group_values(acc, v_cache, table, start, n, block_size, block_stride,
+                    partition_values(acc, v_cache, table, start, n, block_size, block_stride,
                                  token_stride, g, group, head_dim, part_tokens, scores, 4);
                 else
-                    group_values(acc, v_cache, table, start, n, block_size, block_stride,
+                    partition_values(acc, v_cache, table, start, n, block_size, block_stride,
                                  token_stride, g, group, head_dim, part_tokens, scores, 8);
             }
             for (int j = 0; !vector_path && j < n; j++) {
