@@ -69,8 +69,10 @@ def paged_attention(q, k, v, kv_cache: PagedKVCache, layer_idx, meta: AttentionM
     k_flat, v_flat = kv_cache.flat(layer_idx)
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
     nd = meta.num_decode_tokens
+    if nd == q.shape[0]:  # a decode-only step: no copy into a shared output
+        return decode_attention(q, kv_cache, layer_idx, meta)
+    out = torch.empty_like(q)
     if nd:
         out[:nd] = decode_attention(q[:nd], kv_cache, layer_idx, meta)
     for chunk in meta.prefills:

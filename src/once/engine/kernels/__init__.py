@@ -66,4 +66,10 @@ def _compile_and_load() -> ctypes.CDLL | None:
     fn = lib.small_batch_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    fn = lib.add_rms_norm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    fn = lib.rope_in_place
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
     return lib

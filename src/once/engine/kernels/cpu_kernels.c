@@ -269,3 +269,51 @@ int small_batch_linear(const float *x, const float *w, const float *bias, float 
     }
     return 0;
 }
+
+// RMSNorm of a few rows, optionally adding a residual first (x += delta), in one pass:
+// at decode batch sizes each torch op costs more in dispatch than in arithmetic.
+// x, delta: (rows, dim); out = x / sqrt(mean(x^2) + eps) * weight.
+int add_rms_norm(float *x, const float *delta, const float *weight, float *out, int rows,
+                 int dim, float eps) {
+    for (int r = 0; r < rows; r++) {
+        float *xr = x + (long)r * dim;
+        float sum = 0.f;
+        if (delta) {
+            const float *dr = delta + (long)r * dim;
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < dim; i++) {
+                xr[i] += dr[i];
+                sum += xr[i] * xr[i];
+            }
+        } else {
+#pragma omp simd reduction(+ : sum)
+            for (int i = 0; i < dim; i++) sum += xr[i] * xr[i];
+        }
+        const float inv = 1.f / sqrtf(sum / dim + eps);
+        float *o = out + (long)r * dim;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = xr[i] * inv * weight[i];
+    }
+    return 0;
+}
+
+// Rotary embedding in place on the first num_heads heads of each row (q and k heads are
+// adjacent in the fused projection output): pairs (i, i + head_dim/2), as in Llama.
+// x rows are row_stride floats apart; cos, sin: (rows, head_dim / 2).
+int rope_in_place(float *x, const float *cos_t, const float *sin_t, int rows, long row_stride,
+                  int num_heads, int head_dim) {
+    const int half = head_dim / 2;
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos_t + (long)r * half, *s = sin_t + (long)r * half;
+        for (int h = 0; h < num_heads; h++) {
+            float *x1 = x + r * row_stride + (long)h * head_dim, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+    return 0;
+}

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from once.engine.attention import AttentionMetadata, paged_attention
-from once.engine.linear import linear
 from once.engine.memory import copy_to_huge
 from once.engine.models.config import ModelConfig
+from once.engine.ops import add_rms_norm, linear, rope_leading_heads, rotate_half_pairs
 from once.protocol.errors import ModelLoadError
 
 
@@ -56,12 +56,6 @@ class RotaryEmbedding:
         # Looked up once per forward and shared by every layer: (T, 1, head_dim / 2).
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: (T, n_heads, head_dim); rotate pairs (i, i + head_dim/2).
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
 
 class LlamaLayer:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
@@ -90,35 +84,38 @@ class LlamaLayer:
         )
         self.down_weight = take("mlp.down_proj.weight")
 
-    def forward(self, x, rope_tables, kv_cache, layer_idx, meta: AttentionMetadata):
+    def forward(self, x, delta, rope_tables, kv_cache, layer_idx, meta: AttentionMetadata):
+        """Returns (residual stream, this layer's last delta): the add is fused into the
+        next RMSNorm, so a layer starts with x + delta from the one before."""
         cfg = self.config
         eps = cfg.rms_norm_eps
+        use_kernel = meta.use_kernel
         num_tokens = x.shape[0]
         q_size = cfg.num_heads * cfg.head_dim
         kv_size = cfg.num_kv_heads * cfg.head_dim
 
-        h = F.rms_norm(x, (cfg.hidden_size,), self.input_norm, eps)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, meta.use_kernel)  # (T, q + 2 kv)
+        x, h = add_rms_norm(x, delta, self.input_norm, eps, use_kernel)
+        qkv = linear(h, self.qkv_weight, self.qkv_bias, use_kernel)  # (T, q + 2 kv)
         cos, sin = rope_tables
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both in one pass.
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, -1)
-            qk = RotaryEmbedding.apply(qk, cos, sin)
+            num_qk_heads = cfg.num_heads + cfg.num_kv_heads
+            qk = rope_leading_heads(qkv, cos, sin, num_qk_heads, cfg.head_dim, use_kernel)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         else:
             q = qkv[:, :q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_size : q_size + kv_size].view(num_tokens, cfg.num_kv_heads, -1)
-            q = RotaryEmbedding.apply(F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps), cos, sin)
-            k = RotaryEmbedding.apply(F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps), cos, sin)
+            q = rotate_half_pairs(F.rms_norm(q, (cfg.head_dim,), self.q_norm, eps), cos, sin)
+            k = rotate_half_pairs(F.rms_norm(k, (cfg.head_dim,), self.k_norm, eps), cos, sin)
         v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
         attn = paged_attention(q, k, v, kv_cache, layer_idx, meta)  # (T, n_heads, head_dim)
-        x = x + linear(attn.reshape(num_tokens, q_size), self.o_weight, None, meta.use_kernel)
+        attn_out = linear(attn.reshape(num_tokens, q_size), self.o_weight, None, use_kernel)
 
-        h = F.rms_norm(x, (cfg.hidden_size,), self.post_norm, eps)
-        gate_up = linear(h, self.gate_up_weight, None, meta.use_kernel)
+        x, h = add_rms_norm(x, attn_out, self.post_norm, eps, use_kernel)
+        gate_up = linear(h, self.gate_up_weight, None, use_kernel)
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight, None, meta.use_kernel)
+        return x, linear(F.silu(gate) * up, self.down_weight, None, use_kernel)
 
 
 def required_weight_names(config: ModelConfig) -> list[str]:
@@ -168,8 +165,10 @@ class LlamaModel:
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, hidden)
         rope_tables = self.rope.tables(positions)
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, rope_tables, kv_cache, i, meta)
+            x, delta = layer.forward(x, delta, rope_tables, kv_cache, i, meta)
+        x = x + delta
         # The lm head is the biggest matmul: run it only on rows that are sampled.
         x = x.index_select(0, logits_indices)
         x = F.rms_norm(x, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
