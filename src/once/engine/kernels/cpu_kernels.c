@@ -80,8 +80,8 @@ static inline __attribute__((always_inline)) void partition_scores(
 // (4 at a time, so 4 x NC accumulators stay in registers while the V rows stream past).
 static inline __attribute__((always_inline)) void partition_values(
     float *acc, const float *v_cache, const int32_t *table, int start, int n, int block_size,
-    long block_stride, long token_stride, int g, int group, int head_dim, int part_tokens,
-    const float *scores, const int NC) {
+    long block_stride, long token_stride, int num_kv_heads, int g, int group, int head_dim,
+    int part_tokens, const float *scores, const int NC) {
     const int first_block = start / block_size;
     const int num_blocks = (n + block_size - 1) / block_size;
     for (int h0 = 0; h0 < group; h0 += 4) {
@@ -91,16 +91,18 @@ static inline __attribute__((always_inline)) void partition_values(
             for (int c = 0; c < NC; c++) av[h][c] = (v16f){0};
         for (int b = 0; b < num_blocks; b++) {
             const float *blk = v_cache + (long)table[first_block + b] * block_stride + g * head_dim;
-            const float *next =
-                b + 1 < num_blocks
-                    ? v_cache + (long)table[first_block + b + 1] * block_stride + g * head_dim
-                    : NULL;
+            // The first kv head's pass prefetches whole rows of the next block, so the
+            // passes of the other kv heads over this partition find them in cache.
+            const float *next = b + 1 < num_blocks && g == 0 && h0 == 0
+                                    ? v_cache + (long)table[first_block + b + 1] * block_stride
+                                    : NULL;
             const int count = n - b * block_size < block_size ? n - b * block_size : block_size;
             for (int i = 0; i < count; i++) {
                 const int j = b * block_size + i;
                 const float *vr = blk + i * token_stride;
-                if (next && h0 == 0)
-                    for (int c = 0; c < NC; c++) __builtin_prefetch(next + i * token_stride + 16 * c);
+                if (next)
+                    for (int c = 0; c < NC * num_kv_heads; c++)
+                        __builtin_prefetch(next + i * token_stride + 16 * c);
                 v16f vv[8];
                 for (int c = 0; c < NC; c++) memcpy(&vv[c], vr + 16 * c, 64);
                 for (int h = 0; h < nh; h++) {
@@ -193,10 +195,12 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
             for (int g = 0; vector_path && g < num_kv_heads; g++) {
                 if (head_dim == 64)
                     partition_values(acc, v_cache, table, start, n, block_size, block_stride,
-                                 token_stride, g, group, head_dim, part_tokens, scores, 4);
+                                     token_stride, num_kv_heads, g, group, head_dim, part_tokens,
+                                     scores, 4);
                 else
                     partition_values(acc, v_cache, table, start, n, block_size, block_stride,
-                                 token_stride, g, group, head_dim, part_tokens, scores, 8);
+                                     token_stride, num_kv_heads, g, group, head_dim, part_tokens,
+                                     scores, 8);
             }
             for (int j = 0; !vector_path && j < n; j++) {
                 const int t = start + j;
