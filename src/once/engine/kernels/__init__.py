@@ -43,7 +43,9 @@ def _compile_and_load() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     source = _SOURCE.read_bytes()
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
-    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    # -march=native: the build is only valid on this CPU, so its features are in the key.
+    key = source + " ".join(flags).encode() + _cpu_features().encode()
+    digest = hashlib.sha256(key).hexdigest()[:16]
     target = _build_dir() / f"cpu_kernels-{digest}.so"
     if not target.exists():
         if compiler is None:
@@ -73,3 +75,13 @@ def _compile_and_load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]
     return lib
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith("flags")), "")
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
