@@ -22,6 +22,11 @@
 #include <string.h>
 
 // 16 floats: GCC's portable vector type (one AVX-512 register where available).
+// How many blocks ahead of use the decode kernel prefetches.
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1
+#endif
+
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 
 typedef float v8f __attribute__((vector_size(32)));
@@ -47,9 +52,9 @@ static inline __attribute__((always_inline)) void partition_scores(
     const int num_blocks = (n + block_size - 1) / block_size;
     for (int b = 0; b < num_blocks; b++) {
         const float *blk = k_cache + (long)table[first_block + b] * block_stride;
-        const float *next = b + 1 < num_blocks
-                                ? k_cache + (long)table[first_block + b + 1] * block_stride
-                                : NULL;
+        const int ahead = b + PREFETCH_BLOCKS;
+        const float *next =
+            ahead < num_blocks ? k_cache + (long)table[first_block + ahead] * block_stride : NULL;
         const int count = n - b * block_size < block_size ? n - b * block_size : block_size;
         for (int i = 0; i < count; i++) {
             const int j = b * block_size + i;
@@ -93,8 +98,9 @@ static inline __attribute__((always_inline)) void partition_values(
             const float *blk = v_cache + (long)table[first_block + b] * block_stride + g * head_dim;
             // The first kv head's pass prefetches whole rows of the next block, so the
             // passes of the other kv heads over this partition find them in cache.
-            const float *next = b + 1 < num_blocks && g == 0 && h0 == 0
-                                    ? v_cache + (long)table[first_block + b + 1] * block_stride
+            const int ahead = b + PREFETCH_BLOCKS;
+            const float *next = ahead < num_blocks && g == 0 && h0 == 0
+                                    ? v_cache + (long)table[first_block + ahead] * block_stride
                                     : NULL;
             const int count = n - b * block_size < block_size ? n - b * block_size : block_size;
             for (int i = 0; i < count; i++) {
