@@ -35,6 +35,9 @@ class KVCacheManager:
         pool.track_newly_cached = self.has_connector
         self.num_external_hit_tokens = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Leading blocks of each request already offered to the prefix cache: each step
+        # looks only at blocks that became full since, not the whole table.
+        self.num_offered_blocks: dict[str, int] = {}
         self.num_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, found
 
@@ -116,6 +119,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_offered_blocks.pop(request.request_id, None)
         # Tail first: the end of a prompt is the least likely part to be shared.
         self.pool.free_blocks(reversed(blocks))
 
@@ -137,7 +141,9 @@ class KVCacheManager:
             self.block_size,
             request.cache_salt,
         )
-        for i in range(num_full):
+        first = self.num_offered_blocks.get(request.request_id, 0)
+        self.num_offered_blocks[request.request_id] = max(first, num_full)
+        for i in range(first, num_full):
             block = blocks[i]
             if block.block_hash is not None:
                 continue
