@@ -73,6 +73,52 @@ class EngineDeadError(OnceError):
     error_type = "server_error"
 
 
+class AuthenticationError(OnceError):
+    code = "invalid_api_key"
+    status = 401
+    error_type = "invalid_request_error"
+
+
+class RateLimitError(OnceError):
+    code = "rate_limit_exceeded"
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_s: float = 1.0):
+        super().__init__(message, param=param)
+        self.retry_after_s = retry_after_s
+
+
+class PayloadTooLargeError(InvalidRequestError):
+    code = "payload_too_large"
+    status = 413
+
+
+class PreviousResponseNotFoundError(InvalidRequestError):
+    # Unknown, expired, deleted, or owned by another tenant: all look the same from outside.
+    code = "previous_response_not_found"
+
+
+class ResponseNotFoundError(InvalidRequestError):
+    code = "response_not_found"
+    status = 404
+
+
+class ResponseInFlightError(InvalidRequestError):
+    # WebSocket mode: one response in flight per connection.
+    code = "response_already_in_progress"
+    status = 409
+
+
+class ConnectionLimitError(InvalidRequestError):
+    # WebSocket mode: the connection reached its age limit; open a new one.
+    code = "websocket_connection_limit_reached"
+
+
+class ContentFilterError(InvalidRequestError):
+    code = "content_filter"
+
+
 ERRORS_BY_CODE = {
     cls.code: cls
     for cls in (
@@ -86,6 +132,14 @@ ERRORS_BY_CODE = {
         RequestNotFoundError,
         EngineOverloadedError,
         EngineDeadError,
+        AuthenticationError,
+        RateLimitError,
+        PayloadTooLargeError,
+        PreviousResponseNotFoundError,
+        ResponseNotFoundError,
+        ResponseInFlightError,
+        ConnectionLimitError,
+        ContentFilterError,
     )
 }
 
