@@ -1,0 +1,58 @@
+"""The gateway's one frozen config: flags > environment (ONCE_GATEWAY_*) > TOML file."""
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+DEFAULT_STORE = "sqlite:///" + str(Path.home() / ".cache" / "once" / "gateway" / "responses.db")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "smollm2-135m-instruct"  # the name clients send; resolved to a local folder
+    engine_url: str | None = None  # remote `once engine` replicas; None: embedded engine
+    max_model_len: int | None = None  # None: the engine's (embedded) or the model's config
+    max_body_bytes: int = 32 * 1024 * 1024
+    api_keys_file: str | None = None  # None: no auth, every caller is tenant "default"
+    rate_limit_storage: str = "memory://"  # or redis://host:port
+    store: str = DEFAULT_STORE  # sqlite:///path.db | memory | redis://host:port/db
+    store_ttl_s: float = 30 * 24 * 3600.0  # as long as OpenAI keeps stored responses
+    websocket_max_age_s: float = 3600.0  # then websocket_connection_limit_reached
+    verify_every: int = 32  # check 1 in N incremental prompts against a full render
+    safety: dict = field(default_factory=dict)  # one model's [safety] table; {}: off
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, **overrides) -> "GatewayConfig":
+        values: dict = {}
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    values.update(tomllib.load(f).get("gateway", {}))
+            except (OSError, tomllib.TOMLDecodeError) as e:
+                raise ValueError(f"cannot read gateway config {path}: {e}") from None
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown gateway config keys in {path}: {unknown}")
+        for name, spec in known.items():
+            env = os.environ.get(f"ONCE_GATEWAY_{name.upper()}")
+            if env is not None and name != "safety":
+                values[name] = _coerce(env, spec.type)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _coerce(text: str, kind) -> object:
+    kind = str(kind)
+    if "int" in kind and "None" not in kind:
+        return int(text)
+    if "float" in kind:
+        return float(text)
+    if "int" in kind:
+        return int(text) if text else None
+    return text or None

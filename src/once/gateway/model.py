@@ -1,0 +1,33 @@
+"""What the gateway knows about a served model: its tokenizer, renderer and limits."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from once.gateway.render import PromptRenderer
+from once.gateway.tokens import PromptBuilder
+
+
+@dataclass
+class ModelRuntime:
+    name: str
+    tokenizer: object  # a transformers fast tokenizer
+    renderer: PromptRenderer
+    builder: PromptBuilder
+    max_model_len: int
+    accepts_images: bool = False
+    safety: object | None = None  # a safety.SafetyChecker, or None for no input check
+
+    @classmethod
+    def load(cls, name: str, folder: Path, max_model_len: int, safety=None) -> "ModelRuntime":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        renderer = PromptRenderer(tokenizer)
+        return cls(
+            name=name,
+            tokenizer=tokenizer,
+            renderer=renderer,
+            builder=PromptBuilder(renderer, tokenizer),
+            max_model_len=max_model_len,
+            safety=safety,
+        )

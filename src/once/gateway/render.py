@@ -1,0 +1,181 @@
+"""Responses items -> chat messages -> prompt text, with the model's own chat template.
+
+Two renderings, chosen by what the template can do:
+
+- **Tool-aware ChatML** (templates that render only role and string content, such as
+  SmolLM2's): once writes the tool markup into the message strings itself, then lets the
+  model's template render the messages. The format, documented in docs/rendering.md:
+  the request's `tools` serialized canonically (sorted by name, keys sorted, fixed
+  separators) inside `<tools>...</tools>` at the end of the system block; a `function_call`
+  item as a `<tool_call>{"name": ..., "arguments": ...}</tool_call>` block in its assistant
+  turn; a `function_call_output` as a `tool` turn holding `<tool_response>...
+  </tool_response>`; a `tool_search_output` (tools discovered mid-session) as a `tool`
+  turn holding the new definitions in `<tools>...</tools>`, where it occurs, so the head of
+  the prompt never changes when tools are discovered.
+- **Native tools** (templates that mention `tools`, such as Qwen's): messages carry
+  `tool_calls` and `role: tool`, and the tool list goes to the template.
+
+A continuation renders only its new messages: the template is applied to a fixed anchor
+conversation with and without the new messages, and the difference is the new text.
+This holds for templates that render each message independently of the others; the
+background verification in `tokens.py` catches any template where it does not.
+"""
+
+import json
+from collections.abc import Sequence
+
+from once.gateway.toolcalls import render_tool_call
+from once.protocol.responses import (
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    MESSAGE,
+    TOOL_SEARCH_OUTPUT,
+    canonical_json,
+    message_text,
+    output_text,
+)
+
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+)
+TOOLS_POSTAMBLE = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+# The anchor conversation continuations are rendered against. Its contents never reach
+# a prompt; they only need to be strings no real message equals.
+_ANCHOR_MARK = "\x00once-anchor\x00"
+_ANCHOR = (
+    {"role": "system", "content": _ANCHOR_MARK + "system"},
+    {"role": "user", "content": _ANCHOR_MARK + "user"},
+)
+
+
+class NotIncrementalError(Exception):
+    """The template does not render these messages independently of what precedes them."""
+
+
+def canonical_tool(tool: dict) -> dict:
+    """The fields of a function tool that reach the prompt, in one fixed shape."""
+    out = {"type": "function", "name": tool.get("name", "")}
+    if tool.get("description"):
+        out["description"] = tool["description"]
+    out["parameters"] = tool.get("parameters") or {}
+    return out
+
+
+def sorted_tools(tools: Sequence[dict]) -> list[dict]:
+    canon = [canonical_tool(t) for t in tools if t.get("type", "function") == "function"]
+    return sorted(canon, key=lambda t: (t.get("namespace", ""), t["name"]))
+
+
+def tools_block(tools: Sequence[dict]) -> str:
+    return "\n".join(canonical_json(tool) for tool in sorted_tools(tools))
+
+
+class PromptRenderer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template or ""
+        if not template:
+            raise ValueError("the tokenizer has no chat template")
+        self.native_tools = "tools" in template
+        self.eos_text = tokenizer.eos_token or ""
+        closed = self.render([*_ANCHOR, {"role": "assistant", "content": _ANCHOR_MARK}], False)
+        # What the template writes after an assistant message's content ("<|im_end|>\n").
+        self.assistant_close_text = closed[closed.rindex(_ANCHOR_MARK) + len(_ANCHOR_MARK) :]
+        base = self.render(list(_ANCHOR), False)
+        self.generation_prompt_text = self.render(list(_ANCHOR), True)[len(base) :]
+
+    # -- items to messages ---------------------------------------------------------------
+
+    def messages(
+        self, instructions: str | None, tools: Sequence[dict], items: Sequence[dict]
+    ) -> list[dict]:
+        system = self.system_message(instructions, tools)
+        return ([system] if system else []) + self.item_messages(items)
+
+    def system_message(self, instructions: str | None, tools: Sequence[dict]) -> dict | None:
+        if self.native_tools or not tools:
+            return {"role": "system", "content": instructions} if instructions else None
+        parts = [instructions] if instructions else []
+        parts.append(TOOLS_PREAMBLE + tools_block(tools) + TOOLS_POSTAMBLE)
+        return {"role": "system", "content": "\n\n".join(parts)}
+
+    def item_messages(self, items: Sequence[dict]) -> list[dict]:
+        """One chat message per turn; an assistant text and its tool calls share a turn."""
+        messages: list[dict] = []
+        for item in items:
+            kind = item["type"]
+            if kind == MESSAGE:
+                role = item.get("role", "user")
+                role = "system" if role == "developer" else role
+                messages.append({"role": role, "content": message_text(item), "_calls": []})
+            elif kind == FUNCTION_CALL:
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": "", "_calls": []})
+                messages[-1]["_calls"].append((item.get("name", ""), item.get("arguments", "")))
+            elif kind == FUNCTION_CALL_OUTPUT:
+                messages.append({"role": "tool", "content": output_text(item), "_calls": []})
+                messages[-1]["_response"] = True
+            elif kind == TOOL_SEARCH_OUTPUT:
+                block = "<tools>\n" + tools_block(item.get("tools") or ()) + "\n</tools>"
+                messages.append({"role": "tool", "content": block, "_calls": []})
+            # reasoning items carry nothing this server's models read
+        return [self._finish(m) for m in messages]
+
+    def _finish(self, message: dict) -> dict:
+        calls = message.pop("_calls")
+        wrap_response = message.pop("_response", False)
+        if self.native_tools:
+            if calls:
+                message["tool_calls"] = [
+                    {"type": "function", "function": {"name": n, "arguments": _json_or_str(a)}}
+                    for n, a in calls
+                ]
+            return message
+        if wrap_response:
+            message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
+        if calls:
+            text = message["content"]
+            blocks = [render_tool_call(name, args) for name, args in calls]
+            message["content"] = "\n".join(([text] if text else []) + blocks)
+        return message
+
+    # -- messages to text ----------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[dict],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+    ) -> str:
+        kwargs = {}
+        if self.native_tools and tools:
+            kwargs["tools"] = [
+                {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+                for t in sorted_tools(tools)
+            ]
+        return self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+    def continuation_text(
+        self, new_messages: Sequence[dict], tools: Sequence[dict] | None = None
+    ) -> str:
+        """Text the template writes for `new_messages` (+ generation prompt) after a turn."""
+        base = self.render(list(_ANCHOR), False, tools)
+        extended = self.render([*_ANCHOR, *new_messages], True, tools)
+        if not extended.startswith(base):
+            raise NotIncrementalError("the template re-renders earlier turns")
+        return extended[len(base) :]
+
+
+def _json_or_str(arguments: str):
+    try:
+        return json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments

@@ -1,0 +1,118 @@
+"""Semantic validation: a schema-valid request this server cannot honour gets a 400.
+
+Each refusal names the `param` at fault, as the OpenAI API does. Images are checked for
+what they are first (a data URL of an allowed type, within the size limit, decodable), and
+only then refused because the model reads text only, so a broken image and an unsupported
+one get different, accurate errors.
+"""
+
+import base64
+import binascii
+import io
+
+from once.gateway.model import ModelRuntime
+from once.protocol.errors import InvalidRequestError, ModelNotFoundError
+from once.protocol.responses import (
+    FUNCTION_CALL_OUTPUT,
+    MESSAGE,
+    ResponsesRequest,
+    message_text,
+    output_text,
+)
+
+IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+MAX_IMAGE_BYTES = 20 * 1024 * 1024
+
+
+def check_semantics(request: ResponsesRequest, models: dict[str, ModelRuntime]) -> ModelRuntime:
+    model = models.get(request.model)
+    if model is None:
+        raise ModelNotFoundError(
+            f"the model {request.model!r} does not exist on this server "
+            f"(available: {', '.join(sorted(models))})",
+            param="model",
+        )
+    for i, tool in enumerate(request.tools):
+        if tool.get("type") != "function":
+            raise InvalidRequestError(
+                f"tool type {tool.get('type')!r} is not supported; only function tools are",
+                param=f"tools[{i}].type",
+            )
+    choice = request.tool_choice
+    if choice not in ("auto", "none"):
+        raise InvalidRequestError(
+            "only tool_choice 'auto' and 'none' are supported (forcing a call needs "
+            "constrained decoding, which this server does not do)",
+            param="tool_choice",
+        )
+    if request.background:
+        raise InvalidRequestError("background responses are not supported", param="background")
+    if request.text_format != "text":
+        raise InvalidRequestError(
+            f"text.format {request.text_format!r} is not supported", param="text.format"
+        )
+    if request.max_output_tokens is not None and request.max_output_tokens < 1:
+        raise InvalidRequestError("max_output_tokens must be >= 1", param="max_output_tokens")
+    if request.temperature is not None and not 0 <= request.temperature <= 2:
+        raise InvalidRequestError("temperature must be in [0, 2]", param="temperature")
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+    if not request.input_items and not request.previous_response_id:
+        raise InvalidRequestError("input must not be empty", param="input")
+    for i, item in enumerate(request.input_items):
+        if item["type"] != MESSAGE or isinstance(item.get("content"), str):
+            continue
+        for j, part in enumerate(item.get("content") or ()):
+            if part.get("type") == "input_image":
+                check_image(part, f"input[{i}].content[{j}]")
+                if not model.accepts_images:
+                    raise InvalidRequestError(
+                        f"the model {model.name!r} reads text only; it cannot take images",
+                        param=f"input[{i}].content[{j}]",
+                    )
+            elif part.get("type") == "input_file":
+                raise InvalidRequestError(
+                    "file inputs are not supported", param=f"input[{i}].content[{j}]"
+                )
+    return model
+
+
+def check_image(part: dict, param: str) -> None:
+    """Type, size and decodability of an inline image (remote URLs are not fetched)."""
+    url = part.get("image_url")
+    if part.get("file_id") or not url:
+        raise InvalidRequestError("images must be inline data URLs", param=param)
+    if not url.startswith("data:"):
+        raise InvalidRequestError(
+            "only data: URLs are accepted (this server fetches nothing)", param=param
+        )
+    header, _, payload = url[5:].partition(",")
+    mime, _, encoding = header.partition(";")
+    if mime not in IMAGE_TYPES or encoding != "base64":
+        raise InvalidRequestError(
+            f"image must be base64 {', '.join(IMAGE_TYPES)}, got {header!r}", param=param
+        )
+    if len(payload) * 3 // 4 > MAX_IMAGE_BYTES:
+        raise InvalidRequestError(f"image larger than {MAX_IMAGE_BYTES} bytes", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("image data is not valid base64", param=param) from None
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise InvalidRequestError(f"image cannot be decoded: {e}", param=param) from None
+
+
+def safety_texts(items) -> list[str]:
+    """What the input classifiers read: the text of new messages and tool outputs."""
+    texts = []
+    for item in items:
+        if item["type"] == MESSAGE:
+            texts.append(message_text(item))
+        elif item["type"] == FUNCTION_CALL_OUTPUT:
+            texts.append(output_text(item))
+    return [t for t in texts if t]

@@ -1,0 +1,162 @@
+"""WebSocket mode on /v1/responses: one persistent connection, many responses.
+
+The client sends `{"type": "response.create", ...}` text frames with the fields of
+`POST /v1/responses` and receives the same events as text frames. One response is in
+flight per connection; a second `response.create` meanwhile gets an error frame and the
+first one carries on. The connection keeps its own conversation states, so
+`previous_response_id` plus only the new items continues a chain even with
+`store: false`.
+
+once's continuation rule: a `response.create` whose `previous_response_id` names a
+response of this connection inherits every field it omits (model, instructions, tools,
+sampling, ...) from that response's request. So an incremental request is exactly
+`{previous_response_id, input: new items}`; sending a field changes it.
+
+Errors are frames `{"type": "error", "status": 400, "error": {type, code, message,
+param}}`; bad frames never close the connection. It closes itself, with
+`websocket_connection_limit_reached`, at the first request after its age limit.
+"""
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from once.gateway.responses import ConnectionCache
+from once.protocol.errors import (
+    ConnectionLimitError,
+    InvalidRequestError,
+    OnceError,
+    ResponseInFlightError,
+)
+
+# Fields that belong to one message, never inherited by the next.
+_PER_MESSAGE = ("type", "input", "previous_response_id", "generate", "stream", "stream_id")
+
+
+def error_frame(error: OnceError, stream_id: str | None = None) -> dict:
+    frame = {"type": "error", "status": error.status, "error": error.to_dict()}
+    if stream_id is not None:
+        frame["stream_id"] = stream_id
+    return frame
+
+
+class _Connection:
+    def __init__(self, gateway, socket: WebSocket):
+        self.gateway = gateway
+        self.socket = socket
+        self.opened = time.monotonic()
+        self.cache = ConnectionCache()
+        self.bodies: OrderedDict[str, dict] = OrderedDict()  # response id -> its fields
+        self.send_lock = asyncio.Lock()
+        self.inflight: asyncio.Task | None = None
+        self.authorization = socket.headers.get("authorization")
+
+    async def send(self, frame: dict) -> None:
+        text = json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+        async with self.send_lock:
+            await self.socket.send_text(text)
+
+    async def serve(self) -> None:
+        gateway = self.gateway
+        try:
+            gateway.keyring.authenticate(self.authorization)
+        except OnceError as e:
+            await self.send(error_frame(e))
+            await self.socket.close(code=1008)
+            return
+        while True:
+            message = await self.socket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None:
+                await self.send(error_frame(InvalidRequestError("binary frames are not supported")))
+                continue
+            gateway.metrics.received_bytes.labels("websocket").inc(len(text.encode()))
+            try:
+                frame = self._decode(text)
+            except OnceError as e:
+                await self.send(error_frame(e))
+                continue
+            stream_id = frame.get("stream_id")
+            if self.inflight is not None and not self.inflight.done():
+                busy = ResponseInFlightError("a response is already in progress on this connection")
+                await self.send(error_frame(busy, stream_id))
+                continue
+            if time.monotonic() - self.opened > gateway.websocket_max_age_s:
+                limit = ConnectionLimitError(
+                    f"this connection is older than {gateway.websocket_max_age_s:.0f} s; "
+                    "open a new one (continue with previous_response_id)"
+                )
+                await self.send(error_frame(limit, stream_id))
+                await self.socket.close(code=1000)
+                return
+            self.inflight = asyncio.create_task(self._respond(frame, stream_id))
+
+    def _decode(self, text: str) -> dict:
+        try:
+            frame = json.loads(text)
+        except json.JSONDecodeError as e:
+            error = InvalidRequestError(f"the frame is not valid JSON: {e}")
+            error.code = "invalid_json"
+            raise error from None
+        if not isinstance(frame, dict):
+            raise InvalidRequestError("a frame must be a JSON object", param="type")
+        if frame.get("type") != "response.create":
+            raise InvalidRequestError(
+                f"unknown client event type {frame.get('type')!r}; expected 'response.create'",
+                param="type",
+            )
+        return frame
+
+    async def _respond(self, frame: dict, stream_id: str | None) -> None:
+        gateway = self.gateway
+        body = {k: v for k, v in frame.items() if k not in ("type", "stream_id")}
+        previous = body.get("previous_response_id")
+        if previous in self.bodies:
+            body = {**self.bodies[previous], **body}
+        last = "error"
+        try:
+            request, tenant = await gateway.admit(body, self.authorization, websocket=True)
+            prepared = await gateway.prepare(request, tenant, self.cache)
+            with gateway.metrics.inflight.track_inprogress():
+                async for event in gateway.service.stream(prepared, self.cache):
+                    if stream_id is not None:
+                        event["stream_id"] = stream_id
+                    t0 = time.thread_time()
+                    await self.send(event)
+                    prepared.cpu_s += time.thread_time() - t0
+                    last = event["type"]
+            gateway.meter.record("request", prepared.cpu_s, len(prepared.built.prompt_ids))
+            self.bodies[prepared.builder.id] = {
+                k: v for k, v in body.items() if k not in _PER_MESSAGE
+            }
+            while len(self.bodies) > self.cache.capacity:
+                self.bodies.popitem(last=False)
+        except OnceError as e:
+            await self.send(error_frame(e, stream_id))
+        except (WebSocketDisconnect, RuntimeError):
+            last = "disconnected"  # the client went away mid-stream; the engine is aborted
+        finally:
+            gateway.metrics.requests.labels("websocket", last).inc()
+
+    async def close(self) -> None:
+        if self.inflight is not None and not self.inflight.done():
+            self.inflight.cancel()
+            await asyncio.gather(self.inflight, return_exceptions=True)
+
+
+async def serve_connection(gateway, socket: WebSocket) -> None:
+    await socket.accept()
+    connection = _Connection(gateway, socket)
+    gateway.metrics.websocket_connections.inc()
+    try:
+        await connection.serve()
+    except WebSocketDisconnect:
+        pass
+    finally:
+        await connection.close()
+        gateway.metrics.websocket_connections.dec()

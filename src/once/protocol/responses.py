@@ -1,0 +1,235 @@
+"""Responses API requests as plain data: schema validation with the SDK's own types.
+
+A request body is checked against the official `openai` SDK's TypedDicts (through a pydantic
+TypeAdapter, so the schema is exactly what the SDK sends), then normalized into one
+`ResponsesRequest`: every input item gets its `type`, a string input becomes one user
+message, and unknown fields are dropped. Whether the server *supports* a valid request (a
+hosted tool, an image for a text-only model) is the gateway's semantic check, not this one.
+"""
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from once.protocol.errors import InvalidRequestError
+
+# Item types the renderer understands; any other valid SDK item is rejected semantically.
+MESSAGE = "message"
+FUNCTION_CALL = "function_call"
+FUNCTION_CALL_OUTPUT = "function_call_output"
+TOOL_SEARCH_OUTPUT = "tool_search_output"
+REASONING = "reasoning"  # accepted and skipped: this server's models do not reason in items
+SUPPORTED_ITEM_TYPES = (MESSAGE, FUNCTION_CALL, FUNCTION_CALL_OUTPUT, TOOL_SEARCH_OUTPUT, REASONING)
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    model: str
+    input_items: tuple[dict, ...]
+    instructions: str | None = None
+    tools: tuple[dict, ...] = ()
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict | None = None
+    # WebSocket mode only: generate=False warms the cache (render, tokenize, prefill).
+    generate: bool = True
+    # Fields the server accepts but must refuse when set (checked semantically).
+    background: bool = False
+    text_format: str = "text"
+
+
+@functools.cache
+def _adapter(name: str):
+    """TypeAdapters over the SDK's own TypedDicts, built once (~0.5 s for the body's)."""
+    from openai.types.responses import (
+        easy_input_message_param,
+        function_tool_param,
+        response_create_params,
+        response_function_tool_call_param,
+        response_input_param,
+        response_reasoning_item_param,
+        response_tool_search_output_item_param_param,
+        responses_client_event_param,
+    )
+    from pydantic import TypeAdapter
+
+    types = {
+        "http": response_create_params.ResponseCreateParamsBase,
+        "websocket": responses_client_event_param.ResponseCreate,
+        MESSAGE: easy_input_message_param.EasyInputMessageParam,
+        FUNCTION_CALL: response_function_tool_call_param.ResponseFunctionToolCallParam,
+        FUNCTION_CALL_OUTPUT: response_input_param.FunctionCallOutput,
+        TOOL_SEARCH_OUTPUT: (
+            response_tool_search_output_item_param_param.ResponseToolSearchOutputItemParamParam
+        ),
+        REASONING: response_reasoning_item_param.ResponseReasoningItemParam,
+        "function": function_tool_param.FunctionToolParam,
+    }
+    return TypeAdapter(types[name])
+
+
+def warm_up() -> None:
+    """Build the validators now instead of on the first request."""
+    for name in ("http", "websocket", MESSAGE, FUNCTION_CALL, FUNCTION_CALL_OUTPUT, "function"):
+        _adapter(name)
+
+
+def _validate(name: str, value: Any, prefix: str) -> None:
+    from pydantic import ValidationError
+
+    try:
+        _adapter(name).validate_python(value)
+    except ValidationError as e:
+        raise _schema_error(e, prefix) from None
+
+
+def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
+    """Validate a decoded JSON body; raise InvalidRequestError naming the bad param.
+
+    The top level is checked against the SDK's request type with `input` and `tools`
+    held out; each item and tool is then checked against the SDK type its `type` names,
+    so an error points at the one field that is wrong instead of at every union branch.
+    """
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param=None)
+    if "model" not in body:
+        raise InvalidRequestError("missing required parameter: 'model'", param="model")
+    raw_input = body.get("input")
+    if raw_input is None:
+        raise InvalidRequestError("missing required parameter: 'input'", param="input")
+    if not isinstance(raw_input, str | list):
+        raise InvalidRequestError("'input' must be a string or a list of items", param="input")
+    tools = body.get("tools") or []
+    if not isinstance(tools, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    top = {k: v for k, v in body.items() if k not in ("input", "tools")}
+    _validate("websocket" if websocket else "http", top, "")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise InvalidRequestError("'stream' must be a boolean", param="stream")
+    items = normalize_input(raw_input)
+    for i, item in enumerate(items):
+        _validate_item(item, f"input[{i}]")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequestError("each tool must be an object", param=f"tools[{i}]")
+        if tool.get("type") == "function":
+            # The API defaults `parameters` and `strict`; the SDK's TypedDict marks them
+            # required because it always sends them.
+            _validate("function", {"parameters": None, "strict": None, **tool}, f"tools[{i}]")
+    text = body.get("text") or {}
+    return ResponsesRequest(
+        model=str(body["model"]),
+        input_items=items,
+        instructions=body.get("instructions"),
+        tools=tuple(tools),
+        tool_choice=body.get("tool_choice") or "auto",
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        previous_response_id=body.get("previous_response_id"),
+        store=body.get("store") is not False,
+        stream=bool(body.get("stream")),
+        max_output_tokens=body.get("max_output_tokens"),
+        temperature=body.get("temperature"),
+        top_p=body.get("top_p"),
+        prompt_cache_key=body.get("prompt_cache_key"),
+        metadata=body.get("metadata"),
+        generate=body.get("generate") is not False,
+        background=bool(body.get("background")),
+        text_format=((text.get("format") or {}).get("type") or "text"),
+    )
+
+
+def _validate_item(item: dict, param: str) -> None:
+    kind = item["type"]
+    if kind not in SUPPORTED_ITEM_TYPES:
+        raise InvalidRequestError(f"unsupported input item type {kind!r}", param=f"{param}.type")
+    assistant_parts = item.get("role") == "assistant" and isinstance(item.get("content"), list)
+    if kind == MESSAGE and assistant_parts:
+        # A client that appends a response's output items sends output_text parts, which
+        # the SDK types as an output message (with ids); accept any text parts.
+        for j, part in enumerate(item["content"]):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    "assistant content parts need a string 'text'", param=f"{param}.content[{j}]"
+                )
+        return
+    _validate(kind, item, param)
+
+
+def normalize_input(raw_input: str | list) -> tuple[dict, ...]:
+    if isinstance(raw_input, str):
+        return ({"type": MESSAGE, "role": "user", "content": raw_input},)
+    items = []
+    for i, item in enumerate(raw_input):
+        if not isinstance(item, dict):
+            raise InvalidRequestError("each input item must be an object", param=f"input[{i}]")
+        item = dict(item)
+        item.setdefault("type", MESSAGE)
+        items.append(item)
+    return tuple(items)
+
+
+def message_text(item: dict) -> str:
+    """The text of a message item: a string, or the text parts of a content list joined."""
+    content = item.get("content")
+    if isinstance(content, str):
+        return content
+    return "".join(
+        part.get("text", "")
+        for part in content or ()
+        if part.get("type") in ("input_text", "output_text", "text")
+    )
+
+
+def output_text(item: dict) -> str:
+    """The text of a function_call_output's `output` (a string or a list of parts)."""
+    output = item.get("output")
+    if isinstance(output, str):
+        return output
+    return "".join(part.get("text", "") for part in output or () if isinstance(part, dict))
+
+
+def canonical_json(value: Any) -> str:
+    """One serialization for everything that must be byte-stable (tools, fingerprints)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# pydantic's loc holds union branch tags ("str", "list[...]", "EasyInputMessageParam")
+# between the real field names; the param an API user understands skips them.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after"}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for element in loc:
+        if isinstance(element, int):
+            parts.append(f"[{element}]")
+        elif (
+            isinstance(element, str)
+            and element not in _TYPE_TAGS
+            and element.replace("_", "").isalnum()
+            and element[:1].islower()
+        ):
+            parts.append(("." if parts else "") + element)
+    return "".join(parts) or None
+
+
+def _schema_error(error, prefix: str) -> InvalidRequestError:
+    # A union reports one error per branch; the deepest one is the user's likeliest mistake.
+    details = error.errors()
+    best = max(details, key=lambda d: len(_param_from_loc(d["loc"]) or ""))
+    inner = _param_from_loc(best["loc"])
+    if inner is None:
+        param = prefix or None
+    elif inner.startswith("["):
+        param = prefix + inner
+    else:
+        param = f"{prefix}.{inner}" if prefix else inner
+    return InvalidRequestError(f"invalid value for '{param}': {best['msg']}", param=param)
