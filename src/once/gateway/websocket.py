@@ -29,11 +29,25 @@ from once.protocol.errors import (
     ConnectionLimitError,
     InvalidRequestError,
     OnceError,
+    PreviousResponseNotFoundError,
     ResponseInFlightError,
 )
 
 # Fields that belong to one message, never inherited by the next.
 _PER_MESSAGE = ("type", "input", "previous_response_id", "generate", "stream", "stream_id")
+# What a continuation of a *stored* response (another connection's) inherits from it.
+_INHERITED_FROM_STORED = (
+    "model",
+    "instructions",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "prompt_cache_key",
+    "store",
+)
 
 
 def error_frame(error: OnceError, stream_id: str | None = None) -> dict:
@@ -115,11 +129,9 @@ class _Connection:
     async def _respond(self, frame: dict, stream_id: str | None) -> None:
         gateway = self.gateway
         body = {k: v for k, v in frame.items() if k not in ("type", "stream_id")}
-        previous = body.get("previous_response_id")
-        if previous in self.bodies:
-            body = {**self.bodies[previous], **body}
         last = "error"
         try:
+            body = await self._inherit(body)
             request, tenant = await gateway.admit(body, self.authorization, websocket=True)
             prepared = await gateway.prepare(request, tenant, self.cache)
             with gateway.metrics.inflight.track_inprogress():
@@ -142,6 +154,22 @@ class _Connection:
             last = "disconnected"  # the client went away mid-stream; the engine is aborted
         finally:
             gateway.metrics.requests.labels("websocket", last).inc()
+
+    async def _inherit(self, body: dict) -> dict:
+        previous = body.get("previous_response_id")
+        if not isinstance(previous, str):
+            return body
+        if previous in self.bodies:
+            return {**self.bodies[previous], **body}
+        tenant = self.gateway.keyring.authenticate(self.authorization)
+        record = await self.gateway.service.store.get(previous, tenant.name)
+        if record is None:
+            raise PreviousResponseNotFoundError(
+                f"previous response with id {previous!r} not found", param="previous_response_id"
+            )
+        stored = record.response
+        inherited = {k: stored[k] for k in _INHERITED_FROM_STORED if stored.get(k) is not None}
+        return {**inherited, **body}
 
     async def close(self) -> None:
         if self.inflight is not None and not self.inflight.done():

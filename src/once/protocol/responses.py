@@ -111,6 +111,8 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
     if not isinstance(tools, list):
         raise InvalidRequestError("'tools' must be a list", param="tools")
     top = {k: v for k, v in body.items() if k not in ("input", "tools")}
+    if websocket:
+        top["type"] = "response.create"
     _validate("websocket" if websocket else "http", top, "")
     if "stream" in body and not isinstance(body["stream"], bool | None):
         raise InvalidRequestError("'stream' must be a boolean", param="stream")

