@@ -51,6 +51,85 @@ def cmd_engine(args) -> int:
     return 0
 
 
+def _gateway_config(args):
+    from once.gateway.config import GatewayConfig
+
+    overrides = dict(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        engine_url=args.engine_url,
+        max_model_len=args.max_model_len,
+        api_keys_file=args.api_keys,
+        store=args.store,
+        tls_certfile=args.tls_certfile,
+        tls_keyfile=args.tls_keyfile,
+    )
+    config = GatewayConfig.load(args.config, **overrides)
+    if args.no_safety:
+        return _replace(config, safety={})
+    if args.safety_policy or not config.safety:
+        safety = dict(config.safety) or {"classifiers": ["embedding"]}
+        safety["policy"] = args.safety_policy or safety.get("policy", "stream")
+        config = _replace(config, safety=safety)
+    return config
+
+
+def _replace(config, **changes):
+    from dataclasses import replace
+
+    return replace(config, **changes)
+
+
+def build_gateway(config, engine_config, registry=None):
+    """The wiring of `once serve`: an engine client, the served model, the gateway."""
+    from once.engine.loader import resolve_model_path
+    from once.gateway.app import create_gateway
+    from once.gateway.model import ModelRuntime
+    from once.gateway.safety import build_safety_checker
+    from once.protocol import responses
+
+    if config.engine_url:
+        from once.engine.client import RemoteEngineClient
+        from once.engine.models.config import ModelConfig
+
+        engine = RemoteEngineClient(config.engine_url)
+        folder = resolve_model_path(config.model)
+        max_len = config.max_model_len or ModelConfig.from_hf(folder).max_position_embeddings
+    else:
+        from once.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(engine_config)
+        folder, max_len = engine.engine.model_path, engine.engine.max_model_len
+    safety = build_safety_checker(config.safety)
+    if safety is not None:
+        safety.warm_up()
+    model = ModelRuntime.load(config.model, folder, max_len, safety=safety)
+    responses.warm_up()
+    return create_gateway(config, engine, {config.model: model}, registry)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from once.gateway.app import build_gateway_app
+
+    config = _gateway_config(args)
+    gateway = build_gateway(config, _engine_config(args))
+    scheme = "https" if config.tls_certfile else "http"
+    print(f"once gateway: {scheme}://{config.host}:{config.port}/v1 serving {config.model}")
+    uvicorn.run(
+        build_gateway_app(gateway),
+        host=config.host,
+        port=config.port,
+        log_level="warning",
+        ws_max_size=config.max_body_bytes,
+        ssl_certfile=config.tls_certfile,
+        ssl_keyfile=config.tls_keyfile,
+    )
+    return 0
+
+
 def cmd_run(args) -> int:
     from dataclasses import replace
 
@@ -78,9 +157,9 @@ def cmd_run(args) -> int:
 def cmd_bench(args, rest) -> int:
     if args.target == "engine":
         from once.bench.engine_bench import main as bench_main
-
-        return bench_main(rest)
-    return 2
+    else:
+        from once.bench.gateway_bench import main as bench_main
+    return bench_main(rest)
 
 
 def main(argv=None) -> int:
@@ -103,15 +182,34 @@ def main(argv=None) -> int:
     run.add_argument("--calls", type=int, default=12)
     run.add_argument("--compare-naive", action="store_true", help="also run without the cache")
 
+    serve = sub.add_parser("serve", help="the Responses API gateway (HTTP+SSE, WebSocket)")
+    _add_engine_flags(serve)
+    serve.add_argument("--config", default=None, help="TOML file with a [gateway] table")
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--engine-url", default=None, help="a `once engine` server instead")
+    serve.add_argument("--api-keys", default=None, help="TOML file of API keys per tenant")
+    serve.add_argument("--store", default=None, help="sqlite:///path.db | memory | redis://...")
+    serve.add_argument("--safety-policy", choices=["stream", "hold"], default=None)
+    serve.add_argument("--no-safety", action="store_true", help="no input safety check")
+    serve.add_argument("--tls-certfile", default=None)
+    serve.add_argument("--tls-keyfile", default=None)
+
+    sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
+
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
-    bench.add_argument("target", choices=["engine"])
+    bench.add_argument("target", choices=["engine", "gateway"])
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "capacity":
+        from once.gateway.capacity_plan import main as capacity_main
+
+        return capacity_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    handlers = {"model": cmd_model, "engine": cmd_engine, "run": cmd_run}
+    handlers = {"model": cmd_model, "engine": cmd_engine, "run": cmd_run, "serve": cmd_serve}
     try:
         return handlers[args.command](args)
     except Exception as exc:

@@ -173,9 +173,8 @@ NEXT = {
 
 def test_append_only_extension_sends_only_the_new_items():
     sent = incremental_request(PREVIOUS, PREVIOUS_OUTPUT, NEXT, "resp_1")
+    # Unchanged fields are inherited on the connection: only the link and new items go.
     assert sent == {
-        "model": MODEL,
-        "instructions": "sys",
         "previous_response_id": "resp_1",
         "input": [user("a.py")],
     }

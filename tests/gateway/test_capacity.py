@@ -7,16 +7,14 @@ from pathlib import Path
 import prometheus_client
 import pytest
 
-from once.gateway import capacity
+from once.gateway import capacity, capacity_plan
 from once.gateway.capacity import (
     CpuCostMeter,
     cpu_model_name,
-    main,
-    measure_tokenizer_costs,
     parse_load_report_header,
-    plan_capacity,
     usable_cores,
 )
+from once.gateway.capacity_plan import main, measure_tokenizer_costs, plan_capacity
 from once.protocol.errors import InvalidRequestError
 
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.toml"
@@ -354,7 +352,7 @@ def with_cost(key, value):
         ([FAST], target(10, max_utilization=0), "target.max_utilization"),
         ([FAST], {"requests_per_s": 10}, "target.new_prompt_tokens"),
         (
-            [FAST | {"costs": dict.fromkeys(capacity.COST_KEYS, 0)}],
+            [FAST | {"costs": dict.fromkeys(capacity_plan.COST_KEYS, 0)}],
             target(10),
             "fleet[0].costs",
         ),
@@ -505,5 +503,5 @@ def test_measure_this_machine_with_smollm2(capsys):
     assert code == 0, err
     entry = tomllib.loads(out)["cpu"][0]
     assert entry["cpu_model"] == cpu_model_name()
-    assert set(entry["costs"]) == set(capacity.COST_KEYS)
+    assert set(entry["costs"]) == set(capacity_plan.COST_KEYS)
     assert all(cost > 0 for cost in entry["costs"].values())

@@ -172,13 +172,11 @@ def incremental_request(
 ) -> dict:
     if previous is None or full_request_reason(previous, previous_output, request) is not None:
         return request
+    # Every non-input field is unchanged, and once's WebSocket mode inherits omitted
+    # fields from the previous response on the connection: send the chain link and the
+    # new items only (see gateway/websocket.py).
     num_kept = len(previous["input"]) + len(previous_output or [])
-    fields = {key: value for key, value in request.items() if key != "input"}
-    return {
-        **fields,
-        "previous_response_id": previous_response_id,
-        "input": request["input"][num_kept:],
-    }
+    return {"previous_response_id": previous_response_id, "input": request["input"][num_kept:]}
 
 
 def full_request_reason(

@@ -22,6 +22,7 @@ class GatewayConfig:
     store_ttl_s: float = 30 * 24 * 3600.0  # as long as OpenAI keeps stored responses
     websocket_max_age_s: float = 3600.0  # then websocket_connection_limit_reached
     verify_every: int = 32  # check 1 in N incremental prompts against a full render
+    stream_interval_s: float = 0.002  # tokens closer together than this share an event batch
     safety: dict = field(default_factory=dict)  # one model's [safety] table; {}: off
     tls_certfile: str | None = None
     tls_keyfile: str | None = None

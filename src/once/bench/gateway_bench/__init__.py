@@ -1,0 +1,128 @@
+"""`once bench gateway`: the gateway's bars, measured in one run (see README.md).
+
+- overhead: the gateway vs the engine's own HTTP server, both around a zero-latency
+  scripted engine, 16 concurrent streams, the client in its own process (overhead.py);
+- incremental tokenization vs full render+tokenize at the last call of every recorded
+  session (tokenize.py);
+- client bytes, WebSocket incremental vs stateless HTTP, per source folder (payloads.py);
+- TTFT added by the input safety check beside prefill (safety_ttft.py);
+- the per-call handshake cost a persistent WSS connection removes (tls.py).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO_ROOT = Path(__file__).resolve().parents[4]
+DEFAULT_OUT = _REPO_ROOT / "results" / "bench_gateway.json"
+MODEL = "smollm2-135m-instruct"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_benchmark(args) -> dict:
+    from once.bench.gateway_bench import overhead, safety_ttft, tls, tokenize
+    from once.bench.payloads import session_payload_bytes
+    from once.bench.traces import load_sessions
+    from once.engine.loader import resolve_model_path
+    from once.gateway.model import ModelRuntime
+
+    started = time.perf_counter()
+    results: dict = {"model": MODEL}
+    _log(f"overhead: {args.concurrency} streams x {args.calls} calls, closed loop ...")
+    results["overhead"] = overhead.run(args.concurrency, args.calls, think_ms=0)
+    _log("overhead: the same with a 50 ms tool pause between a stream's calls ...")
+    results["overhead_paced"] = overhead.run(args.concurrency, args.calls, think_ms=50)
+    runtime = ModelRuntime.load(MODEL, resolve_model_path(MODEL), max_model_len=8192)
+    _log("incremental tokenization over the recorded sessions ...")
+    results["tokenization"] = tokenize.run(runtime, repeats=3)
+    _log("client bytes, WebSocket incremental vs stateless HTTP ...")
+    per_session = [session_payload_bytes(s) for s in load_sessions()]
+    by_source: dict[str, list[float]] = {}
+    for row in per_session:
+        by_source.setdefault(row["source"], []).append(row["ratio"])
+    results["ws_bytes"] = {"sessions": per_session}
+    ws_ratio = {source: statistics.median(r) for source, r in sorted(by_source.items())}
+    if not args.skip_safety:
+        _log("safety check beside prefill ...")
+        results["safety"] = safety_ttft.run(runtime)
+    if not args.skip_tls:
+        _log("TLS: a new HTTPS connection per call vs one WSS connection ...")
+        results["tls"] = tls.run()
+    over = results["overhead"]
+    summary = {
+        "overhead_ms_p50": over["overhead_ms_p50"],
+        "overhead_ms_p99": over["overhead_ms_p99"],
+        "gateway_ms_p50": over["gateway"]["p50_ms"],
+        "gateway_ms_p99": over["gateway"]["p99_ms"],
+        "gateway_cpu_ms_per_call": over["gateway_cpu_ms_per_call"],
+        "engine_server_cpu_ms_per_call": over["engine_server"]["server_cpu_ms_per_call"],
+        "paced_overhead_ms_p50": results["overhead_paced"]["overhead_ms_p50"],
+        "paced_overhead_ms_p99": results["overhead_paced"]["overhead_ms_p99"],
+        "errors": over["errors"] + results["overhead_paced"]["errors"],
+        "incremental_tokenize_speedup_median": results["tokenization"][
+            "incremental_tokenize_speedup_median"
+        ],
+        "incremental_ids_identical": results["tokenization"]["incremental_ids_identical"],
+        "ws_bytes_ratio": ws_ratio,
+        "safety_ttft_added_fraction": results.get("safety", {}).get("safety_ttft_added_fraction"),
+        "tls_handshake_ms_saved_per_call": results.get("tls", {}).get(
+            "handshake_ms_saved_per_call"
+        ),
+        "wall_s": time.perf_counter() - started,
+    }
+    return {**summary, "details": results}
+
+
+def print_report(result: dict) -> None:
+    ratio = ", ".join(f"{k} {v:.1f}x" for k, v in result["ws_bytes_ratio"].items())
+    lines = [
+        "once bench gateway",
+        f"  overhead vs engine server (16 streams, closed loop): p50 "
+        f"{result['overhead_ms_p50']:+.1f} ms, p99 {result['overhead_ms_p99']:+.1f} ms "
+        f"(bars <= 5 / <= 25); gateway p50 {result['gateway_ms_p50']:.1f} ms",
+        f"  same, 50 ms tool pause between calls: p50 {result['paced_overhead_ms_p50']:+.1f} ms, "
+        f"p99 {result['paced_overhead_ms_p99']:+.1f} ms; errors {result['errors']}",
+        f"  gateway CPU per call {result['gateway_cpu_ms_per_call']:.2f} ms "
+        f"(engine server {result['engine_server_cpu_ms_per_call']:.2f} ms)",
+        f"  incremental tokenization speedup, median: "
+        f"{result['incremental_tokenize_speedup_median']:.1f}x (bar >= 20); identical ids: "
+        f"{result['incremental_ids_identical']}",
+        f"  client bytes HTTP / WebSocket, median per source: {ratio} (bar >= 25 mini-swe-agent)",
+    ]
+    if result["safety_ttft_added_fraction"] is not None:
+        lines.append(
+            f"  safety TTFT added / check time: {result['safety_ttft_added_fraction']:.3f} "
+            "(bar <= 0.10)"
+        )
+    if result["tls_handshake_ms_saved_per_call"] is not None:
+        lines.append(
+            f"  HTTPS new connection per call vs one WSS: "
+            f"{result['tls_handshake_ms_saved_per_call']:.2f} ms saved per call"
+        )
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="once bench gateway", description=__doc__)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=20, help="calls per stream")
+    parser.add_argument("--skip-safety", action="store_true")
+    parser.add_argument("--skip-tls", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the JSON summary")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    result = run_benchmark(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "details"}, indent=1))
+    else:
+        print_report(result)
+    _log(f"results written to {args.out}")
+    return 0
