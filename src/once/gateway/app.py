@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from once.gateway.auth import KeyRing, Tenant
-from once.gateway.capacity import CpuCostMeter
+from once.gateway.capacity import LOAD_REPORT_HEADER, CpuCostMeter
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.responses import ResponsesService
@@ -104,6 +105,16 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
     async def once_error(_, error: OnceError):
         return error_response(error)
 
+    @app.exception_handler(HTTPException)
+    async def routing_error(_, error: HTTPException):
+        # Unknown paths and methods get the same error body as every other failure.
+        failure = InvalidRequestError(str(error.detail))
+        failure.status = error.status_code
+        failure.code = {404: "not_found", 405: "method_not_allowed"}.get(
+            error.status_code, failure.code
+        )
+        return error_response(failure)
+
     @app.exception_handler(Exception)
     async def unexpected(_, error: Exception):
         logger.exception("unexpected error in the gateway")
@@ -118,7 +129,7 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
             raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
         prepared = await gateway.prepare(request, tenant)
         inflight = int(metrics.inflight._value.get())
-        headers = {"x-once-load": gateway.meter.load_report_header(inflight)}
+        headers = {LOAD_REPORT_HEADER: gateway.meter.load_report_header(inflight)}
         if request.stream:
             return StreamingResponse(
                 _sse(gateway, prepared),
@@ -184,12 +195,12 @@ async def _sse(gateway: Gateway, prepared):
     last = "error"
     with metrics.inflight.track_inprogress():
         try:
-            async for event in gateway.service.stream(prepared):
-                t0 = time.thread_time()
-                frame = sse_frame(event)
-                prepared.cpu_s += time.thread_time() - t0
-                last = event["type"]
-                yield frame
+            async for batch in gateway.service.stream_batches(prepared):
+                t0 = time.perf_counter()  # wall of a sync section: cheaper than thread_time
+                chunk = b"".join(sse_frame(event) for event in batch)
+                prepared.cpu_s += time.perf_counter() - t0
+                last = batch[-1]["type"]
+                yield chunk
         except asyncio.CancelledError:
             last = "disconnected"
             raise
@@ -213,6 +224,7 @@ def create_gateway(config, engine, models: dict, registry=None) -> Gateway:
         open_store(config.store, config.store_ttl_s),
         metrics,
         verify_every=config.verify_every,
+        stream_interval_s=config.stream_interval_s,
         on_cpu=lambda stage, cpu_s, tokens: meter.record(stage, cpu_s, tokens),
     )
     keyring = KeyRing.from_file(config.api_keys_file) if config.api_keys_file else KeyRing.open()

@@ -196,9 +196,12 @@ class ResponseBuilder:
 
 
 def usage(input_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    # The SDK requires `cache_write_tokens`: the prompt tokens the engine computed, whose
+    # KV its prefix cache now holds for the next turn.
+    details = {"cached_tokens": cached_tokens, "cache_write_tokens": input_tokens - cached_tokens}
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": details,
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,
