@@ -297,6 +297,7 @@ def parse_load_report_header(value: str) -> dict[str, float]:
 
 # -- planner ------------------------------------------------------------------------------
 
+
 def _check_stage(stage: str) -> None:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; expected one of {', '.join(STAGES)}")

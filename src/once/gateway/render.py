@@ -69,7 +69,8 @@ def canonical_tool(tool: dict) -> dict:
 
 def sorted_tools(tools: Sequence[dict]) -> list[dict]:
     canon = [canonical_tool(t) for t in tools if t.get("type", "function") == "function"]
-    return sorted(canon, key=lambda t: (t.get("namespace", ""), t["name"]))
+    # The whole serialization breaks ties, so even two tools of one name have one order.
+    return sorted(canon, key=lambda t: (t["name"], canonical_json(t)))
 
 
 def tools_block(tools: Sequence[dict]) -> str:
@@ -155,9 +156,13 @@ class PromptRenderer:
     ) -> str:
         kwargs = {}
         if self.native_tools and tools:
+            # Through canonical JSON and back: nested keys sorted too, since a template's
+            # `tojson` keeps the order it is given.
             kwargs["tools"] = [
-                {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
-                for t in sorted_tools(tools)
+                {"type": "function", "function": json.loads(canonical_json(function))}
+                for function in (
+                    {k: v for k, v in t.items() if k != "type"} for t in sorted_tools(tools)
+                )
             ]
         return self.tokenizer.apply_chat_template(
             list(messages), tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs

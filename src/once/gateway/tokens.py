@@ -4,8 +4,11 @@ A conversation's state after a response is the ids the engine saw (the prompt) p
 ids the model actually sampled. A continuation appends to those ids the tokenization of
 just the new text: what closes the assistant turn (`<|im_end|>\\n` minus the eos the model
 already produced), the new items' messages, and the generation prompt. The cut always
-falls right after a special token (the eos, or the generation prompt's end), where a
-separate tokenization cannot differ from tokenizing the whole text.
+touches a special token (right after the eos, or right before `<|im_end|>`/`<|im_start|>`),
+where a separate tokenization cannot differ from tokenizing the whole text. The cut
+before the output is not one: the generation prompt ends with a plain "\\n", so an output
+that starts with whitespace is tokenized differently by a full render (which merges the
+two); verification catches it like any other non-canonical output.
 
 A full render and tokenization is done when there is no state, when the instructions,
 tools or model changed (the `render_key`), or when a verification found a mismatch.
