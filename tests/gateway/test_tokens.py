@@ -179,6 +179,7 @@ async def test_divergence_is_counted_and_the_chain_renders_in_full_next(runtime)
             model=MODEL, instructions="sys", input="Again.", previous_response_id=first.id
         )
         assert metrics.value(metrics.renders, "incremental") == 1
+        await gateway.service.drain_verifications()  # verification runs in the background
         assert metrics.value(metrics.verifications) == 1
         assert metrics.value(metrics.divergences) == 1
         full_renders = metrics.value(metrics.renders, "full")
@@ -212,6 +213,7 @@ async def test_a_diverged_chain_recovers_on_a_connection(runtime):
     first, _ = await respond(service, connection, input="a")
     second, _ = await respond(service, connection, input="b", previous_response_id=first.builder.id)
     assert second.built.mode == INCREMENTAL
+    await service.drain_verifications()  # verification runs in the background
     assert service.metrics.value(service.metrics.divergences) == 1
     third, _ = await respond(service, connection, input="c", previous_response_id=second.builder.id)
     assert third.built.mode == FULL
@@ -220,6 +222,7 @@ async def test_a_diverged_chain_recovers_on_a_connection(runtime):
     )
     assert events[-1]["type"] == "response.completed"
     assert fourth.built.mode == INCREMENTAL  # the full render re-based the chain
+    await service.drain_verifications()
     assert service.metrics.value(service.metrics.divergences) == 1
     assert service.metrics.value(service.metrics.verifications) == 2
     expected = runtime.builder.full(KEY, None, [], fourth.items)
@@ -246,6 +249,7 @@ async def test_output_cut_by_max_tokens_continues_with_the_turn_closed(runtime):
     history = [user("count"), {"type": "message", "role": "assistant", "content": cut_text}]
     expected = runtime.builder.full(KEY, None, [], [*history, user("go on")])
     assert prompt == expected.prompt_ids
+    await service.drain_verifications()
     assert service.metrics.value(service.metrics.divergences) == 0
 
 
@@ -277,6 +281,7 @@ async def test_a_warm_up_state_continues_correctly(runtime, via):
     expected = runtime.builder.full(KEY, "sys", [], [*items, user("Now summarize it.")])
     assert list(engine.requests[1].prompt_token_ids) == expected.prompt_ids
     assert second.built.num_tokenized < len(expected.prompt_ids) // 2
+    await service.drain_verifications()
     assert service.metrics.value(service.metrics.divergences) == 0
 
 

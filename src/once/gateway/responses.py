@@ -246,6 +246,11 @@ class ResponsesService:
             stop_token_ids=tuple(sorted(model.builder.eos_ids)),
         )
 
+    async def drain_verifications(self) -> None:
+        """Wait for the background verifications (tests, and a clean shutdown)."""
+        while self._verifications:
+            await asyncio.gather(*list(self._verifications), return_exceptions=True)
+
     def start_verification(self, prepared: Prepared) -> asyncio.Task | None:
         """The sampled check of an incremental prompt, run beside generation."""
         if not prepared.verify:

@@ -10,6 +10,7 @@ sees it.
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ class StreamRunner:
         self.detok_cpu_s = 0.0
         self.last_batch_at = 0.0
         self.verification: asyncio.Task | None = None
+        self.engine_done = asyncio.Event()
 
     async def run(self) -> AsyncIterator[list[dict]]:
         service, prepared = self.service, self.prepared
@@ -134,8 +136,11 @@ class StreamRunner:
         try:
             async for delta in self.service.engine.generate(engine_request):
                 deltas.put_nowait(delta)
+                if delta.finished:
+                    self.engine_done.set()
         except Exception as e:  # noqa: BLE001 - handed to the consumer as a failure
             deltas.put_nowait(e)
+        self.engine_done.set()
 
     async def _next(self, deltas: asyncio.Queue, check):
         """All deltas available now (coalesced), or None when the check finishes first.
@@ -157,7 +162,9 @@ class StreamRunner:
         interval = self.service.stream_interval_s
         wait = self.last_batch_at + interval - time.perf_counter()
         if wait > 0 and not _finished(items[-1]):
-            await asyncio.sleep(wait)
+            # The last delta ends the wait early: the final event is never held back.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.engine_done.wait(), wait)
         while not deltas.empty():
             items.append(deltas.get_nowait())
         self.last_batch_at = time.perf_counter()

@@ -70,26 +70,39 @@ def measure(
         server.terminate()
         server.wait(10)
     result = json.loads(client.stdout.strip().splitlines()[-1])
-    latencies = result["latencies_s"]
-    num_calls = len(latencies) + result["errors"]
+    result["cpu_s"] = cpu_s
+    return result
+
+
+def summarize(mode: str, runs: list[dict]) -> dict:
+    latencies = [x for run in runs for x in run["latencies_s"]]
+    errors = sum(run["errors"] for run in runs)
     return {
         "mode": mode,
         "calls": len(latencies),
-        "errors": result["errors"],
+        "errors": errors,
         "p50_ms": 1000 * percentile(latencies, 50),
         "p99_ms": 1000 * percentile(latencies, 99),
         "mean_ms": 1000 * statistics.fmean(latencies),
-        "server_cpu_ms_per_call": 1000 * cpu_s / max(1, num_calls),
-        "calls_per_s": len(latencies) / result["wall_s"],
+        "server_cpu_ms_per_call": 1000
+        * sum(run["cpu_s"] for run in runs)
+        / max(1, len(latencies) + errors),
+        "calls_per_s": len(latencies) / sum(run["wall_s"] for run in runs),
     }
 
 
-def run(concurrency: int = 16, calls: int = 20, think_ms: float = 0.0) -> dict:
-    engine = measure("engine", concurrency, calls, think_ms)
-    gateway = measure("gateway", concurrency, calls, think_ms)
+def run(concurrency: int = 16, calls: int = 20, think_ms: float = 0.0, rounds: int = 2) -> dict:
+    """Engine server and gateway measured alternately, `rounds` times each, pooled."""
+    runs: dict[str, list[dict]] = {"engine": [], "gateway": []}
+    for _ in range(rounds):
+        for mode in runs:
+            runs[mode].append(measure(mode, concurrency, calls, think_ms))
+    engine = summarize("engine", runs["engine"])
+    gateway = summarize("gateway", runs["gateway"])
     return {
         "concurrency": concurrency,
         "think_ms": think_ms,
+        "rounds": rounds,
         "engine_server": engine,
         "gateway": gateway,
         "overhead_ms_p50": gateway["p50_ms"] - engine["p50_ms"],

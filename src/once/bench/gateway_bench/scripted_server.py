@@ -50,7 +50,7 @@ def main() -> None:
         from once.protocol.responses import warm_up
 
         warm_up()
-        config = GatewayConfig(store="memory", verify_every=0)
+        config = GatewayConfig.load(store="memory", verify_every=0)
         app = build_gateway_app(create_gateway(config, engine, {MODEL: runtime}))
     uvicorn.run(
         app,
