@@ -91,7 +91,7 @@ def summarize(mode: str, runs: list[dict]) -> dict:
     }
 
 
-def run(concurrency: int = 16, calls: int = 20, think_ms: float = 0.0, rounds: int = 2) -> dict:
+def run(concurrency: int = 16, calls: int = 20, think_ms: float = 0.0, rounds: int = 3) -> dict:
     """Engine server and gateway measured alternately, `rounds` times each, pooled."""
     runs: dict[str, list[dict]] = {"engine": [], "gateway": []}
     for _ in range(rounds):
