@@ -36,8 +36,10 @@ def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(runtime, engine, config: GatewayConfig | None = None, safety=None):
-    """Start the gateway; yield (base_url, gateway)."""
+async def serve_gateway(
+    runtime, engine, config: GatewayConfig | None = None, safety=None, tls=None
+):
+    """Start the gateway; yield (base_url, gateway). tls: (certfile, keyfile) for HTTPS."""
     config = config or GatewayConfig(store="memory", verify_every=1)
     model = replace(runtime, safety=safety)
     gateway = create_gateway(config, engine, {MODEL: model})
@@ -52,6 +54,8 @@ async def serve_gateway(runtime, engine, config: GatewayConfig | None = None, sa
         lifespan="off",
         timeout_graceful_shutdown=1,
         ws_max_size=config.max_body_bytes,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
     )
     server = uvicorn.Server(uv)
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -61,7 +65,7 @@ async def serve_gateway(runtime, engine, config: GatewayConfig | None = None, sa
                 if task.done():
                     task.result()
                 await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}", gateway
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}", gateway
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, TIMEOUT_S)
