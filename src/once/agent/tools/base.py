@@ -1,0 +1,79 @@
+"""The tool seam of the harness: what every tool is, gets, and gives back.
+
+A tool has a `spec` (name, description, JSON schema, namespace) and is called as
+`await tool(args, ctx)`. Errors the model should see (a failing command, a patch that
+does not apply, bad arguments) are `ToolResult(is_error=True)`, never exceptions: the
+loop sends every result back to the model as a `function_call_output`.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+# OpenAI function names allow [A-Za-z0-9_-]; a namespaced tool is sent as
+# "<namespace>__<name>" and shown to people as "<namespace>.<name>".
+NAMESPACE_SEPARATOR = "__"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    parameters: dict  # JSON schema of the arguments object
+    namespace: str = ""  # the MCP server's name; "" for built-in tools
+
+    @property
+    def function_name(self) -> str:
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
+
+    @property
+    def display_name(self) -> str:
+        return f"{self.namespace}.{self.name}" if self.namespace else self.name
+
+    def to_function_tool(self, parameters: dict | None = None) -> dict:
+        """The Responses API function tool; `parameters` overrides (a compressed schema)."""
+        return {
+            "type": "function",
+            "name": self.function_name,
+            "description": self.description,
+            "parameters": self.parameters if parameters is None else parameters,
+            "strict": False,
+        }
+
+
+@dataclass
+class ToolResult:
+    output: str
+    is_error: bool = False
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class ToolCallRecord:
+    """One executed call, for the transcript (nested Code Mode calls included)."""
+
+    name: str
+    arguments: dict
+    result: ToolResult
+    elapsed_s: float
+    parent: str | None = None  # the Code Mode call it ran inside, if any
+
+
+@dataclass
+class ToolContext:
+    workspace: Path
+    # Live harness state: the approval policy and the sandbox are read at each call, so a
+    # change takes effect at the next execution and never touches earlier prompt bytes.
+    policy: Any = None  # agent.policy.ApprovalPolicy
+    sandbox: Any = None  # agent.tools.sandbox.Sandbox
+    approve: Callable[[str, dict], bool] | None = None  # asks the user; None: deny
+    transcript: list[ToolCallRecord] = field(default_factory=list)
+    registry: Any = None  # the registry, for tools that call tools (Code Mode)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    spec: ToolSpec
+
+    async def __call__(self, args: dict, ctx: ToolContext) -> ToolResult: ...
