@@ -4,16 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from once.bench.payloads import (
+from once.agent.transport.rule import (
     FIELDS_CHANGED,
     FIRST_CALL,
     HISTORY_EDITED,
     INPUT_NOT_A_LIST,
-    MAIN_CHAIN,
     OUTPUT_NOT_KEPT,
-    chains,
     full_request_reason,
     incremental_request,
+)
+from once.bench.payloads import (
+    MAIN_CHAIN,
+    chains,
     median_ratio_by_source,
     messages_to_request,
     output_to_items,

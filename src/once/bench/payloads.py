@@ -17,18 +17,14 @@ from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
+# The incremental rule and the reasons a call goes in full (keys of `full_call_reasons`)
+# are the harness transport's own, so the benchmark counts exactly what it sends.
+from once.agent.transport.rule import full_request_reason, incremental_request
 from once.bench.traces import CODER, SWEAGENT_1_1, Session
 from once.protocol.errors import InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MAIN_CHAIN = "main"
-
-# Reasons a call cannot be sent incrementally (keys of `full_call_reasons`).
-FIRST_CALL = "first_call"
-INPUT_NOT_A_LIST = "input_not_a_list"
-FIELDS_CHANGED = "fields_changed"  # model, instructions, tools, ... differ
-HISTORY_EDITED = "history_edited"  # an item of the previous input was changed or dropped
-OUTPUT_NOT_KEPT = "output_not_kept"  # the previous output is not appended verbatim
 
 # SWE-agent 1.1 (Claude sessions) called three tools whose JSON schemas the trajectories do
 # not store. RECONSTRUCTION: built the way SWE-agent builds them
@@ -164,44 +160,6 @@ def session_requests(
     ]
 
 
-def incremental_request(
-    previous: dict | None,
-    previous_output: list[dict] | None,
-    request: dict,
-    previous_response_id: str,
-) -> dict:
-    if previous is None or full_request_reason(previous, previous_output, request) is not None:
-        return request
-    # Every non-input field is unchanged, and once's WebSocket mode inherits omitted
-    # fields from the previous response on the connection: send the chain link and the
-    # new items only (see gateway/websocket.py).
-    num_kept = len(previous["input"]) + len(previous_output or [])
-    return {"previous_response_id": previous_response_id, "input": request["input"][num_kept:]}
-
-
-def full_request_reason(
-    previous: dict | None, previous_output: list[dict] | None, request: dict
-) -> str | None:
-    # None when `request` may be sent incrementally; else why not (one of the reasons above).
-    # Items are compared by value as canonical JSON, so equal items built separately match.
-    if "previous_response_id" in request:
-        raise ValueError("incremental_request expects a full request, not an incremental one")
-    if previous is None:
-        return FIRST_CALL
-    if not isinstance(request.get("input"), list) or not isinstance(previous.get("input"), list):
-        return INPUT_NOT_A_LIST
-    if _canonical(_fields(previous)) != _canonical(_fields(request)):
-        return FIELDS_CHANGED
-    previous_input, current_input = previous["input"], request["input"]
-    if not _same_items(previous_input, current_input[: len(previous_input)]):
-        return HISTORY_EDITED
-    previous_output = previous_output or []
-    kept_output = current_input[len(previous_input) : len(previous_input) + len(previous_output)]
-    if not _same_items(previous_output, kept_output):
-        return OUTPUT_NOT_KEPT
-    return None
-
-
 def chains(session: Session) -> dict[str, list[int]]:
     # A chain is one conversation whose requests extend each other. CodeR runs five role
     # chats in one session, so each role (Call.agent) is a chain of its own.
@@ -302,17 +260,6 @@ def _text(message: dict) -> str:
             param="content",
         )
     return content
-
-
-def _fields(request: dict) -> dict:
-    return {key: value for key, value in request.items() if key != "input"}
-
-
-def _same_items(expected: Sequence[dict], actual: Sequence[dict]) -> bool:
-    # Identity first: items shared between calls need no serialization.
-    return len(expected) == len(actual) and all(
-        a is b or _canonical(a) == _canonical(b) for a, b in zip(expected, actual, strict=True)
-    )
 
 
 def _canonical(value: Any) -> str:
