@@ -143,6 +143,7 @@ class Agent:
         return response
 
     async def _run_tool(self, call: dict) -> None:
+        self.ctx.call_id = call.get("call_id")
         result = await self.registry.call(call.get("name", ""), call.get("arguments", ""), self.ctx)
         self.cost.tool_calls += 1
         self.on_tool(call, result)

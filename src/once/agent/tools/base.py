@@ -70,6 +70,7 @@ class ToolContext:
     approve: Callable[[str, dict], bool] | None = None  # asks the user; None: deny
     transcript: list[ToolCallRecord] = field(default_factory=list)
     registry: Any = None  # the registry, for tools that call tools (Code Mode)
+    call_id: str | None = None  # the model's call now running (nested calls' parent)
 
 
 @runtime_checkable
