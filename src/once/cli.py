@@ -130,6 +130,32 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_agent(args) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from once.agent.session import AgentOptions, build_agent, run_session
+
+    options = AgentOptions(
+        base_url=args.base_url,
+        api_key=args.api_key,
+        model=args.model,
+        transport=args.transport,
+        approval=args.approval,
+        workspace=Path(args.workspace).resolve(),
+        max_steps=args.max_steps,
+        max_output_tokens=args.max_output_tokens,
+        code_mode=args.code_mode,
+    )
+    agent = build_agent(options)
+    if args.task:
+        tasks = [args.task]
+    else:  # interactive: one task per line, in one session
+        tasks = (line.strip() for line in sys.stdin if line.strip())
+    result = asyncio.run(run_session(agent, tasks))
+    return 0 if result is None or result.stopped == "answer" else 3
+
+
 def cmd_run(args) -> int:
     from dataclasses import replace
 
@@ -195,6 +221,19 @@ def main(argv=None) -> int:
     serve.add_argument("--tls-certfile", default=None)
     serve.add_argument("--tls-keyfile", default=None)
 
+    agent = sub.add_parser("agent", help="the coding agent (one task, or interactive)")
+    agent.add_argument("task", nargs="?", help="the task; without it, one task per input line")
+    agent.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    agent.add_argument("--api-key", default="unused")
+    agent.add_argument("--model", default="smollm2-135m-instruct")
+    agent.add_argument("--transport", choices=["ws", "http"], default="ws")
+    modes = ["never", "on-request", "untrusted", "on-failure"]
+    agent.add_argument("--approval", choices=modes, default="on-request")
+    agent.add_argument("--workspace", default=".")
+    agent.add_argument("--max-steps", type=int, default=30)
+    agent.add_argument("--max-output-tokens", type=int, default=None)
+    agent.add_argument("--code-mode", action="store_true", help="add the `code` tool (V8)")
+
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
@@ -209,7 +248,13 @@ def main(argv=None) -> int:
         return capacity_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    handlers = {"model": cmd_model, "engine": cmd_engine, "run": cmd_run, "serve": cmd_serve}
+    handlers = {
+        "model": cmd_model,
+        "engine": cmd_engine,
+        "run": cmd_run,
+        "serve": cmd_serve,
+        "agent": cmd_agent,
+    }
     try:
         return handlers[args.command](args)
     except Exception as exc:

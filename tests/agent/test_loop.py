@@ -129,3 +129,23 @@ async def test_budget_and_bad_tool_calls(runtime, tmp_path):
     assert "invalid arguments for echo" in outputs[1] and "full schema" in outputs[1]
     assert outputs[2] == "echo: x"
     assert result.stopped == "max_steps"
+
+
+async def test_session_runs_real_tools_prints_the_transcript_and_a_clean_doctor(runtime, tmp_path):
+    import io
+
+    from once.agent.session import AgentOptions, build_agent, run_session
+
+    script = [call_text("shell", command="echo hello > out.txt && cat out.txt"), "Wrote it."]
+    engine = scripted_texts(runtime, script)
+    async with serve_gateway(runtime, engine) as (url, _):
+        options = AgentOptions(base_url=f"{url}/v1", workspace=tmp_path, approval="never")
+        out = io.StringIO()
+        agent = build_agent(options, out=out)
+        result = await run_session(agent, ["Write hello to out.txt."], out=out)
+    assert result.stopped == "answer" and result.final_text == "Wrote it."
+    assert (tmp_path / "out.txt").read_text() == "hello\n"
+    text = out.getvalue()
+    assert "-> shell(" in text and "hello" in text and "2 model calls" in text
+    assert agent.doctor.breaks == []  # an append-only session never breaks its prefix
+    assert agent.cost.incremental_calls == 1

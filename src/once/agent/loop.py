@@ -77,7 +77,7 @@ class Agent:
         tools: list[dict] | None = None,
         on_event: Callable[[dict], None] | None = None,
         on_tool: Callable[[dict, object], None] | None = None,
-        observe: Callable[[dict], None] | None = None,
+        doctor=None,
     ):
         self.transport = transport
         self.registry = registry
@@ -90,7 +90,7 @@ class Agent:
         )
         self.on_event = on_event
         self.on_tool = on_tool or (lambda call, result: None)
-        self.observe = observe or (lambda request: None)  # the cache doctor's hook
+        self.doctor = doctor  # a CacheDoctor: names what broke the prefix, tracks hits
         self.history: list[dict] = []
         self.cost = CostSummary()
         self.usages: list[dict] = []
@@ -132,7 +132,8 @@ class Agent:
 
     async def _call_model(self) -> dict:
         request = self.request()
-        self.observe(request)
+        if self.doctor is not None:
+            self.doctor.observe(request)
         response = await self.transport.create(request, self.on_event)
         self.cost.model_calls += 1
         usage = response.get("usage") or {}
@@ -140,6 +141,9 @@ class Agent:
         self.cost.input_tokens += usage.get("input_tokens", 0)
         self.cost.output_tokens += usage.get("output_tokens", 0)
         self.cost.cached_tokens += (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
+        if self.doctor is not None:
+            self.doctor.record_output(response.get("output") or [])
+            self.doctor.record_usage(usage)
         return response
 
     async def _run_tool(self, call: dict) -> None:

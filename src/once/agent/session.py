@@ -1,0 +1,134 @@
+"""An agent session as `once agent` runs it: tools, policy, sandbox, transport, printing.
+
+The prompt is built once per session and never edited: fixed instructions (no dates,
+ids or policy text), the tool list sorted by the registry (core tools, Code Mode's
+`code`, MCP tools or, above the deferral threshold, `tool_search`), and the history.
+"""
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+
+from once.agent.doctor import CacheDoctor
+from once.agent.loop import Agent, AgentConfig, AgentResult
+from once.agent.policy import ApprovalPolicy
+from once.agent.tools.base import ToolContext
+from once.agent.tools.code_mode import CodeModeTool
+from once.agent.tools.patch import ApplyPatchTool
+from once.agent.tools.registry import ToolRegistry
+from once.agent.tools.sandbox import Sandbox
+from once.agent.tools.shell import ShellTool
+from once.agent.transport.http import HttpTransport
+from once.agent.transport.websocket import WebSocketTransport
+
+INSTRUCTIONS = (
+    "You are a coding agent working in a repository. Use the tools to inspect and change "
+    "files and to run commands; prefer small, verifiable steps. When the task is done, "
+    "answer with a short summary and no tool call."
+)
+
+
+@dataclass
+class AgentOptions:
+    base_url: str = "http://127.0.0.1:8000/v1"
+    api_key: str = "unused"
+    model: str = "smollm2-135m-instruct"
+    transport: str = "ws"  # ws | http
+    approval: str = "on-request"
+    workspace: Path = field(default_factory=Path.cwd)
+    max_steps: int = 30
+    max_output_tokens: int | None = None
+    code_mode: bool = False
+    instructions: str = INSTRUCTIONS
+    session_key: str | None = None
+
+
+def make_transport(options: AgentOptions):
+    client = openai.AsyncOpenAI(base_url=options.base_url, api_key=options.api_key)
+    if options.transport == "http":
+        return HttpTransport(client)
+    return WebSocketTransport(client)
+
+
+def core_tools(options: AgentOptions) -> list:
+    tools = [ShellTool(), ApplyPatchTool()]
+    if options.code_mode:
+        tools.append(CodeModeTool([t.spec for t in tools]))
+    return tools
+
+
+def terminal_approver(stream=sys.stdin) -> Callable[[str, dict], bool] | None:
+    """Ask on the terminal; with no terminal there is nobody to ask (deny)."""
+    if not stream.isatty():
+        return None
+
+    def approve(tool: str, args: dict) -> bool:
+        answer = input(f"\nallow {tool} {args}? [y/N] ")
+        return answer.strip().lower() in ("y", "yes")
+
+    return approve
+
+
+def build_agent(options: AgentOptions, *, out=sys.stdout, extra_tools=()) -> Agent:
+    registry = ToolRegistry([*core_tools(options), *extra_tools])
+    sandbox = Sandbox()
+    ctx = ToolContext(
+        workspace=options.workspace,
+        policy=ApprovalPolicy(options.approval),
+        sandbox=sandbox,
+        approve=terminal_approver(),
+    )
+    config = AgentConfig(
+        model=options.model,
+        instructions=options.instructions,
+        max_steps=options.max_steps,
+        max_output_tokens=options.max_output_tokens,
+        prompt_cache_key=options.session_key,
+    )
+    printer = TranscriptPrinter(out)
+    print(f"sandbox: {sandbox.describe()}", file=out)
+    return Agent(
+        make_transport(options),
+        registry,
+        ctx,
+        config,
+        on_event=printer.event,
+        on_tool=printer.tool,
+        doctor=CacheDoctor(),
+    )
+
+
+class TranscriptPrinter:
+    """Streams the model's text and shows each tool call with the head of its result."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def event(self, event: dict) -> None:
+        if event["type"] == "response.output_text.delta":
+            self.out.write(event.get("delta", ""))
+            self.out.flush()
+        elif event["type"] in ("response.completed", "response.incomplete"):
+            self.out.write("\n")
+
+    def tool(self, call: dict, result) -> None:
+        head = result.output if len(result.output) < 400 else result.output[:400] + " ..."
+        mark = "error" if result.is_error else "ok"
+        print(f"-> {call.get('name')}({call.get('arguments')}) [{mark}]\n{head}", file=self.out)
+
+
+async def run_session(agent: Agent, tasks, out=sys.stdout) -> AgentResult | None:
+    """One-shot (one task) or interactive (a task per line, one session)."""
+    result = None
+    try:
+        for task in tasks:
+            result = await agent.run(task)
+            print(f"[{result.stopped}] {agent.cost.line()}", file=out)
+            if agent.doctor is not None and agent.doctor.breaks:
+                print(agent.doctor.report(), file=out)
+    finally:
+        await agent.transport.close()
+    return result

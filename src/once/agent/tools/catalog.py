@@ -1,0 +1,75 @@
+"""The tool catalog: every discovered tool (MCP servers, hundreds of tools), one order.
+
+The catalog is what `tool_search` searches and what the registry validates calls against;
+the prompt carries only what discovery decides (see discovery.py). Tools are kept sorted
+by (namespace, name), so the order servers were registered or answered in never shows.
+"""
+
+from collections.abc import Iterable
+
+from once.agent.tools.base import Tool, ToolContext, ToolResult, ToolSpec
+from once.agent.tools.search import DEFAULT_LIMIT, ToolSearchIndex
+
+
+class ToolCatalog:
+    def __init__(self, tools: Iterable[Tool] = ()):
+        self._tools: dict[str, Tool] = {}
+        self._display: dict[str, str] = {}  # "server.tool" -> "server__tool"
+        self._indexes: dict[str, ToolSearchIndex] = {}
+        for tool in tools:
+            self.add(tool)
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[ToolSpec]) -> "ToolCatalog":
+        """A catalog of definitions only (benchmarks, tests): calls return an error."""
+        return cls(UnconnectedTool(spec) for spec in specs)
+
+    def add(self, tool: Tool) -> None:
+        name = tool.spec.function_name
+        if name in self._tools:
+            raise ValueError(f"tool {tool.spec.display_name!r} is in the catalog twice")
+        self._tools[name] = tool
+        self._display[tool.spec.display_name] = name
+        self._indexes.clear()
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __contains__(self, name: str) -> bool:
+        return self.get(name) is not None
+
+    def get(self, name: str) -> Tool | None:
+        """By function name (`server__tool`) or display name (`server.tool`)."""
+        return self._tools.get(name) or self._tools.get(self._display.get(name, ""))
+
+    def tools(self) -> list[Tool]:
+        return sorted(self._tools.values(), key=lambda t: (t.spec.namespace, t.spec.name))
+
+    def specs(self) -> list[ToolSpec]:
+        return [tool.spec for tool in self.tools()]
+
+    def index(self, ranker: str = "default") -> ToolSearchIndex:
+        """The search index, built on first use and again after the catalog changes."""
+        if ranker not in self._indexes:
+            self._indexes[ranker] = ToolSearchIndex(self.specs(), ranker)
+        return self._indexes[ranker]
+
+    def search(self, query: str, limit: int = DEFAULT_LIMIT) -> list[ToolSpec]:
+        return self.index().search(query, limit)
+
+    def register_into(self, registry) -> None:
+        """Put every tool into a `ToolRegistry`, so any call is validated against its full
+        schema, whether or not its definition was ever shown to the model."""
+        for tool in self.tools():
+            if tool.spec.function_name not in registry:
+                registry.register(tool)
+
+
+class UnconnectedTool:
+    """A definition without a server behind it."""
+
+    def __init__(self, spec: ToolSpec):
+        self.spec = spec
+
+    async def __call__(self, args: dict, ctx: ToolContext) -> ToolResult:
+        return ToolResult(f"{self.spec.display_name} has no server connected", True)
