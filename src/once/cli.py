@@ -183,6 +183,8 @@ def cmd_run(args) -> int:
 def cmd_bench(args, rest) -> int:
     if args.target == "engine":
         from once.bench.engine_bench import main as bench_main
+    elif args.target == "agent":
+        from once.bench.agent_bench.cli import main as bench_main
     else:
         from once.bench.gateway_bench import main as bench_main
     return bench_main(rest)
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
-    bench.add_argument("target", choices=["engine", "gateway"])
+    bench.add_argument("target", choices=["engine", "gateway", "agent"])
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":

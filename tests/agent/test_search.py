@@ -284,3 +284,22 @@ def test_recall_bar_on_every_task(data_dir):
     plain = recall_at_k(ToolSearchIndex(specs, ranker="plain"), tasks)
     assert default >= 0.40
     assert plain < default
+
+
+def test_catalog_lookup_and_refused_schemas_do_not_stop_registration():
+    draft4 = ToolSpec(
+        "read_pdf",
+        "Read a PDF.",
+        {"type": "object", "properties": {"page": {"type": "integer", "exclusiveMinimum": True}}},
+        "pdf",
+    )
+    catalog = ToolCatalog.from_specs([*SPECS, draft4])
+    assert catalog.get("alpha.search") is catalog.get("alpha__search") is not None
+    assert "pdf.read_pdf" in catalog and "nope.x" not in catalog
+    with pytest.raises(ValueError, match="twice"):
+        catalog.add(catalog.get("alpha.search"))
+    registry = ToolRegistry()
+    refused = catalog.register_into(registry)
+    assert len(refused) == 1 and refused[0].startswith("pdf.read_pdf: True is not of type")
+    assert all(s.function_name in registry for s in SPECS)
+    assert catalog.register_into(registry) == refused  # idempotent for the rest

@@ -7,6 +7,8 @@ by (namespace, name), so the order servers were registered or answered in never 
 
 from collections.abc import Iterable
 
+import jsonschema
+
 from once.agent.tools.base import Tool, ToolContext, ToolResult, ToolSpec
 from once.agent.tools.search import DEFAULT_LIMIT, ToolSearchIndex
 
@@ -57,12 +59,22 @@ class ToolCatalog:
     def search(self, query: str, limit: int = DEFAULT_LIMIT) -> list[ToolSpec]:
         return self.index().search(query, limit)
 
-    def register_into(self, registry) -> None:
+    def register_into(self, registry) -> list[str]:
         """Put every tool into a `ToolRegistry`, so any call is validated against its full
-        schema, whether or not its definition was ever shown to the model."""
+        schema, whether or not its definition was ever shown to the model. Returns the
+        tools the registry refused, with why: a server may publish a schema that is not
+        valid JSON Schema (LiveMCPBench's pdf-reader-mcp.read_pdf has draft-04's boolean
+        `exclusiveMinimum`), and one bad server must not stop the session."""
+        refused = []
         for tool in self.tools():
-            if tool.spec.function_name not in registry:
+            if tool.spec.function_name in registry:
+                continue
+            try:
                 registry.register(tool)
+            except (jsonschema.SchemaError, ValueError) as e:
+                reason = getattr(e, "message", str(e))
+                refused.append(f"{tool.spec.display_name}: {reason}")
+        return refused
 
 
 class UnconnectedTool:

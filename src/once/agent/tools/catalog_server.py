@@ -62,12 +62,21 @@ def load_catalog(path: str | Path, server: str | None = None) -> Catalog:
     return catalog
 
 
-def canned_result(server: str, tool: str, arguments: dict) -> str:
+def canned_result(server: str, tool: str, arguments: dict, size_chars: int = 0) -> str:
+    """Deterministic text; `size_chars` pads it with numbered rows to about that size, so
+    a benchmark's tools can answer with what a real API returns (tables of data)."""
     args = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return f"{server}.{tool} ok {args}"
+    text = f"{server}.{tool} ok {args}"
+    row = 0
+    while len(text) < size_chars:
+        text += f"\nrow {row}: value={(row * 7919) % 1000}.{row % 100:02d} status=ok"
+        row += 1
+    return text
 
 
-def build_server(name: str, tools: list[dict], delay_ms: float = 0.0) -> Server:
+def build_server(
+    name: str, tools: list[dict], delay_ms: float = 0.0, result_chars: int = 0
+) -> Server:
     """An MCP server answering `tools/list` with `tools` and `tools/call` with a canned text."""
     listed = [
         types.Tool(
@@ -94,7 +103,7 @@ def build_server(name: str, tools: list[dict], delay_ms: float = 0.0) -> Server:
             return _error(f"invalid arguments for {params.name}: {errors[0].message}")
         if delay_ms > 0:
             await asyncio.sleep(delay_ms / 1000)
-        text = canned_result(name, params.name, arguments)
+        text = canned_result(name, params.name, arguments, result_chars)
         return types.CallToolResult(content=[types.TextContent(type="text", text=text)])
 
     return Server(name, version="1", on_list_tools=list_tools, on_call_tool=call_tool)
@@ -145,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalog", required=True, help="tools.json, a .snap folder, ...")
     parser.add_argument("--server", help="the server to serve (stdio needs one)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="time each call takes")
+    parser.add_argument(
+        "--result-chars", type=int, default=0, help="pad each result to about this size"
+    )
     parser.add_argument("--http", type=int, metavar="PORT", help="streamable HTTP on PORT")
     parser.add_argument("--list-servers", action="store_true", help="print server names")
     args = parser.parse_args(argv)
@@ -156,7 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.list_servers:
         print("\n".join(sorted(catalog)))
         return 0
-    servers = {name: build_server(name, tools, args.delay_ms) for name, tools in catalog.items()}
+    servers = {
+        name: build_server(name, tools, args.delay_ms, args.result_chars)
+        for name, tools in catalog.items()
+    }
     if args.http is not None:
         asyncio.run(serve_http(servers, port=args.http))
     elif len(servers) != 1:

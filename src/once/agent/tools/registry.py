@@ -26,7 +26,7 @@ class ToolRegistry:
         name = tool.spec.function_name
         if name in self._tools:
             raise ValueError(f"tool {tool.spec.display_name!r} is registered twice")
-        jsonschema.Draft202012Validator.check_schema(tool.spec.parameters)
+        _validator_class(tool.spec.parameters).check_schema(tool.spec.parameters)
         self._tools[name] = tool
 
     def get(self, function_name: str) -> Tool | None:
@@ -82,9 +82,8 @@ def _parse_arguments(arguments: str | dict, spec: ToolSpec) -> tuple[dict, ToolR
             return {}, ToolResult(f"arguments are not valid JSON: {e}", True)
     if not isinstance(arguments, dict):
         return {}, ToolResult("arguments must be a JSON object", True)
-    errors = sorted(
-        jsonschema.Draft202012Validator(spec.parameters).iter_errors(arguments), key=str
-    )
+    validator = _validator_class(spec.parameters)(spec.parameters)
+    errors = sorted(validator.iter_errors(arguments), key=str)
     if errors:
         where = "/".join(str(p) for p in errors[0].absolute_path) or "(root)"
         schema = json.dumps(spec.parameters, sort_keys=True)
@@ -94,3 +93,9 @@ def _parse_arguments(arguments: str | dict, spec: ToolSpec) -> tuple[dict, ToolR
         )
         return arguments, ToolResult(message, True)
     return arguments, None
+
+
+def _validator_class(schema: dict):
+    # A schema that declares its draft (`$schema`, e.g. draft-04 in MCP catalogs) is read
+    # by that draft's rules; the rest by the current one.
+    return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)

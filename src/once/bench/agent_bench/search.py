@@ -33,7 +33,7 @@ from pathlib import Path
 
 from once.agent.tools.base import ToolSpec
 from once.agent.tools.catalog_server import load_catalog
-from once.agent.tools.discovery import deferred_prompt_fraction
+from once.agent.tools.discovery import plan_tools
 from once.agent.tools.mcp_client import McpConnections, McpServerConfig, namespace_for
 from once.agent.tools.schema import estimate_tokens, smollm2_token_counter
 from once.agent.tools.search import ToolSearchIndex, split_identifier
@@ -269,14 +269,15 @@ def run(
     elif tokenizer != "estimate":
         raise ValueError(f"tokenizer must be 'smollm2' or 'estimate', not {tokenizer!r}")
     sample = specs[:num_deferred_tools]
+    plan = plan_tools(CORE_SPECS, sample, threshold_tokens=0, count_tokens=count_tokens)
     extra = hybrid_recall_at_k(index, tasks) if hybrid else {}
     return {
         "tool_search_recall_at_5": round(recall, 4),
         "plain_bm25_recall_at_5": round(recall_at_k(plain, tasks), 4),
         **exact_name_checks(index),
-        "deferred_prompt_fraction": round(
-            deferred_prompt_fraction(CORE_SPECS, sample, count_tokens), 4
-        ),
+        "deferred_prompt_fraction": round(plan.tokens / plan.inline_tokens, 4),
+        "deferred_prompt_tokens": plan.tokens,
+        "inline_prompt_tokens": plan.inline_tokens,
         "deferred_prompt_tools": len(sample),
         "tokenizer": tokenizer,
         "num_tools": len(specs),
