@@ -134,7 +134,7 @@ def cmd_agent(args) -> int:
     import asyncio
     from pathlib import Path
 
-    from once.agent.session import AgentOptions, build_agent, run_session
+    from once.agent.session import AgentOptions, run_cli_session
 
     options = AgentOptions(
         base_url=args.base_url,
@@ -147,12 +147,11 @@ def cmd_agent(args) -> int:
         max_output_tokens=args.max_output_tokens,
         code_mode=args.code_mode,
     )
-    agent = build_agent(options)
     if args.task:
         tasks = [args.task]
     else:  # interactive: one task per line, in one session
         tasks = (line.strip() for line in sys.stdin if line.strip())
-    result = asyncio.run(run_session(agent, tasks))
+    result = asyncio.run(run_cli_session(options, tasks, args.mcp))
     return 0 if result is None or result.stopped == "answer" else 3
 
 
@@ -235,6 +234,9 @@ def main(argv=None) -> int:
     agent.add_argument("--max-steps", type=int, default=30)
     agent.add_argument("--max-output-tokens", type=int, default=None)
     agent.add_argument("--code-mode", action="store_true", help="add the `code` tool (V8)")
+    agent.add_argument(
+        "--mcp", action="append", default=[], help="name=command args (stdio) or name=URL"
+    )
 
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
 

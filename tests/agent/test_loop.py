@@ -149,3 +149,61 @@ async def test_session_runs_real_tools_prints_the_transcript_and_a_clean_doctor(
     assert "-> shell(" in text and "hello" in text and "2 model calls" in text
     assert agent.doctor.breaks == []  # an append-only session never breaks its prefix
     assert agent.cost.incremental_calls == 1
+
+
+async def test_deferred_discovery_over_mcp_keeps_the_prefix(runtime, tmp_path):
+    """A big MCP catalog: the request carries shell, apply_patch and tool_search only; a
+    search loads a tool at the tail, the model calls it, and no request breaks the prefix."""
+    import io
+    import sys
+
+    from once.agent.session import AgentOptions, build_agent, run_session
+    from once.agent.tools.mcp_client import McpConnections, McpServerConfig
+
+    tools = [
+        {
+            "name": f"metric_{i}",
+            "description": f"Report weather metric number {i} for a city. " + "detail " * 40,
+            "inputSchema": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+        for i in range(40)
+    ]
+    tools.append(
+        {
+            "name": "get_forecast",
+            "description": "Get tomorrow's weather forecast for a city.",
+            "inputSchema": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        }
+    )
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps({"weather": tools}))
+    server = McpServerConfig(
+        "weather",
+        command=sys.executable,
+        args=("-m", "once.agent.tools.catalog_server", "--catalog", str(catalog)),
+    )
+    script = [
+        call_text("tool_search", query="weather forecast tomorrow"),
+        call_text("weather__get_forecast", city="Paris"),
+        "Sunny.",
+    ]
+    engine = scripted_texts(runtime, script)
+    async with serve_gateway(runtime, engine) as (url, _):
+        async with McpConnections([server]) as mcp:
+            options = AgentOptions(base_url=f"{url}/v1", workspace=tmp_path, approval="never")
+            out = io.StringIO()
+            agent = build_agent(options, out=out, mcp_tools=mcp.tools())
+            result = await run_session(agent, ["Weather in Paris tomorrow?"], out=out)
+    assert result.final_text == "Sunny."
+    assert sorted(t["name"] for t in agent.tools) == ["apply_patch", "shell", "tool_search"]
+    kinds = [item["type"] for item in result.history]
+    assert "tool_search_output" in kinds
+    loaded = next(i for i in result.history if i["type"] == "tool_search_output")
+    assert "weather__get_forecast" in [t["name"] for t in loaded["tools"]]
+    outputs = [i["output"] for i in result.history if i["type"] == "function_call_output"]
+    assert outputs[-1].startswith("weather.get_forecast ok")
+    assert agent.doctor.breaks == [] and agent.cost.incremental_calls == 2

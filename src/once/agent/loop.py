@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from once.agent.tools.base import ToolContext
+from once.agent.tools.discovery import TOOL_SEARCH_NAME
 from once.agent.tools.registry import ToolRegistry
 
 HANDOFF_PROMPT = (
@@ -78,6 +79,7 @@ class Agent:
         on_event: Callable[[dict], None] | None = None,
         on_tool: Callable[[dict, object], None] | None = None,
         doctor=None,
+        discovery=None,
     ):
         self.transport = transport
         self.registry = registry
@@ -91,6 +93,7 @@ class Agent:
         self.on_event = on_event
         self.on_tool = on_tool or (lambda call, result: None)
         self.doctor = doctor  # a CacheDoctor: names what broke the prefix, tracks hits
+        self.discovery = discovery  # DeferredTools: tool_search answers become tail items
         self.history: list[dict] = []
         self.cost = CostSummary()
         self.usages: list[dict] = []
@@ -151,16 +154,14 @@ class Agent:
         result = await self.registry.call(call.get("name", ""), call.get("arguments", ""), self.ctx)
         self.cost.tool_calls += 1
         self.on_tool(call, result)
-        self.history.append(
-            {
-                "type": "function_call_output",
-                "call_id": call.get("call_id"),
-                "output": result.output,
-            }
-        )
-        loaded = result.metadata.get("tool_search_output")
-        if loaded is not None:  # discovered tools join the tail, never `tools`
-            self.history.append(loaded)
+        call_id = call.get("call_id")
+        if self.discovery is not None and call.get("name") == TOOL_SEARCH_NAME:
+            # Discovered tools join the tail as a tool_search_output item, never `tools`.
+            self.history.append(self.discovery.output_item(call_id, result))
+        else:
+            self.history.append(
+                {"type": "function_call_output", "call_id": call_id, "output": result.output}
+            )
 
     async def _maybe_compact(self, response: dict) -> None:
         budget = self.config.compact_at_tokens

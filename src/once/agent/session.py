@@ -16,7 +16,9 @@ from once.agent.doctor import CacheDoctor
 from once.agent.loop import Agent, AgentConfig, AgentResult
 from once.agent.policy import ApprovalPolicy
 from once.agent.tools.base import ToolContext
+from once.agent.tools.catalog import ToolCatalog
 from once.agent.tools.code_mode import CodeModeTool
+from once.agent.tools.discovery import DeferredTools
 from once.agent.tools.patch import ApplyPatchTool
 from once.agent.tools.registry import ToolRegistry
 from once.agent.tools.sandbox import Sandbox
@@ -72,8 +74,23 @@ def terminal_approver(stream=sys.stdin) -> Callable[[str, dict], bool] | None:
     return approve
 
 
-def build_agent(options: AgentOptions, *, out=sys.stdout, extra_tools=()) -> Agent:
-    registry = ToolRegistry([*core_tools(options), *extra_tools])
+def build_agent(options: AgentOptions, *, out=sys.stdout, mcp_tools=()) -> Agent:
+    """The agent of one session; `mcp_tools` are the tools of the user's MCP servers.
+
+    With MCP tools, the deferral policy decides the request's fixed `tools`: everything
+    inline when small, else the core tools plus `tool_search` over the catalog. Every
+    catalog tool is registered either way, so a call is validated against its full schema.
+    """
+    core = core_tools(options)
+    registry = ToolRegistry(core)
+    discovery = None
+    if mcp_tools:
+        catalog = ToolCatalog(mcp_tools)
+        discovery = DeferredTools([t.spec for t in core], catalog)
+        for tool in discovery.tools():
+            registry.register(tool)
+        for refused in catalog.register_into(registry):
+            print(f"tool not registered: {refused}", file=out)
     sandbox = Sandbox()
     ctx = ToolContext(
         workspace=options.workspace,
@@ -95,9 +112,11 @@ def build_agent(options: AgentOptions, *, out=sys.stdout, extra_tools=()) -> Age
         registry,
         ctx,
         config,
+        tools=discovery.request_tools() if discovery is not None else None,
         on_event=printer.event,
         on_tool=printer.tool,
         doctor=CacheDoctor(),
+        discovery=discovery,
     )
 
 
@@ -118,6 +137,33 @@ class TranscriptPrinter:
         head = result.output if len(result.output) < 400 else result.output[:400] + " ..."
         mark = "error" if result.is_error else "ok"
         print(f"-> {call.get('name')}({call.get('arguments')}) [{mark}]\n{head}", file=self.out)
+
+
+def mcp_configs(specs: list[str]) -> list:
+    """`--mcp name=command arg ...` (stdio) or `--mcp name=http://...` (streamable HTTP)."""
+    import shlex
+
+    from once.agent.tools.mcp_client import McpServerConfig
+
+    configs = []
+    for spec in specs:
+        name, sep, target = spec.partition("=")
+        if not sep or not name or not target:
+            raise ValueError(f"--mcp wants name=command or name=url, got {spec!r}")
+        if target.startswith(("http://", "https://")):
+            configs.append(McpServerConfig(name, url=target))
+        else:
+            command, *args = shlex.split(target)
+            configs.append(McpServerConfig(name, command=command, args=tuple(args)))
+    return configs
+
+
+async def run_cli_session(options: AgentOptions, tasks, mcp: list[str], out=sys.stdout):
+    from once.agent.tools.mcp_client import McpConnections
+
+    async with McpConnections(mcp_configs(mcp)) as connections:
+        agent = build_agent(options, out=out, mcp_tools=connections.tools())
+        return await run_session(agent, tasks, out)
 
 
 async def run_session(agent: Agent, tasks, out=sys.stdout) -> AgentResult | None:
