@@ -13,6 +13,7 @@ model for a handoff summary and starts a new chain from it.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from once.agent.prefix import canonical_tools, check_instructions
 from once.agent.tools.base import ToolContext
 from once.agent.tools.discovery import TOOL_SEARCH_NAME
 from once.agent.tools.registry import ToolRegistry
@@ -86,10 +87,10 @@ class Agent:
         self.ctx = ctx
         ctx.registry = registry
         self.config = config
-        # Fixed for the whole session: discovery appends tools at the tail, never here.
-        self.tools = (
-            tools if tools is not None else [s.to_function_tool() for s in registry.specs()]
-        )
+        # Fixed for the whole session (discovery appends tools at the tail, never here),
+        # in the one canonical order; instructions free of per-run values (prefix.py).
+        check_instructions(config.instructions)
+        self.tools = canonical_tools(tools if tools is not None else registry.specs())
         self.on_event = on_event
         self.on_tool = on_tool or (lambda call, result: None)
         self.doctor = doctor  # a CacheDoctor: names what broke the prefix, tracks hits
