@@ -8,7 +8,6 @@ root, cannot install it) they skip with the probe's reason.
 import asyncio
 import os
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -68,7 +67,11 @@ async def test_writes_only_inside_the_workspace(sandbox, workspace, outside):
     assert not (outside / "x").exists()
     assert not repo_file.exists()
     assert not Path("/root/once-x").exists()
-    assert result.output.count("Read-only file system") == 3
+    # A repository under /tmp (CI's clones) is hidden by the sandbox's private /tmp:
+    # that touch fails with "No such file or directory" instead.
+    denials = result.output.count("Read-only file system")
+    hidden = str(REPO).startswith(tempfile.gettempdir())
+    assert denials == (2 if hidden else 3)
     assert result.metadata["sandbox"] == "bubblewrap"
 
 
@@ -90,10 +93,8 @@ async def test_no_network_not_even_loopback(sandbox, workspace):
     # A real listener on this machine's loopback: reachable unsandboxed, not from inside.
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
-        connect = (
-            f'{sys.executable} -c "import socket; '
-            f"socket.create_connection(('127.0.0.1', {port}), 2); print('connected')\""
-        )
+        # bash's /dev/tcp: no interpreter needed (a venv under /tmp is hidden inside).
+        connect = f"exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected"
         inside = await run(sandbox, workspace, connect)
         unsandboxed = await run(NoSandbox(), workspace, connect)
     assert inside.is_error and "connected" not in inside.output
