@@ -106,7 +106,7 @@ def build_agent(options: AgentOptions, *, out=sys.stdout, mcp_tools=()) -> Agent
         prompt_cache_key=options.session_key,
     )
     printer = TranscriptPrinter(out)
-    print(f"sandbox: {sandbox.describe()}", file=out)
+    print(sandbox.describe(), file=out)
     return Agent(
         make_transport(options),
         registry,
