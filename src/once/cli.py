@@ -239,6 +239,7 @@ def main(argv=None) -> int:
     )
 
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
+    sub.add_parser("sim", help="the cluster simulator on production traces (see --help)")
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument("target", choices=["engine", "gateway", "agent"])
@@ -246,6 +247,10 @@ def main(argv=None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "sim":
+        from once.sim import main as sim_main
+
+        return sim_main(rest)
     if args.command == "capacity":
         from once.gateway.capacity_plan import main as capacity_main
 

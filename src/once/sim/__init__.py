@@ -1,1 +1,5 @@
-"""sim layer (see DESIGN.md); built by a later issue."""
+"""Cluster simulator (`once sim`): routing policies over simulated replicas on real traces."""
+
+from once.sim.cli import main
+
+__all__ = ["main"]

@@ -1,0 +1,147 @@
+"""The cluster: a router policy in front of N simulated replicas, run as discrete events.
+
+Events on a heap, ordered by (virtual time, sequence number): a request arrives (the policy
+picks a replica from `ReplicaView`s built like the live router's, with the replica's exact
+prefix match, as an index fed by KV events would give), or a replica's step ends (its
+finished requests are recorded, a closed-loop session's next call is scheduled, the next
+step is planned). A step-end event carries the replica's version; one that a later plan
+replaced is skipped. Nothing sleeps: a 30-minute trace runs in seconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from once.router.policies import Policy, ReplicaView, RequestView
+from once.sim.profiles import ReplicaProfile
+from once.sim.replica import RequestState, SimReplica
+from once.sim.workload import SimRequest
+
+_ARRIVAL = 0
+_STEP_END = 1
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    replica: int
+    time_s: float
+
+
+@dataclass
+class SimResult:
+    states: list[RequestState]  # every request, in arrival order
+    replicas: list[SimReplica]
+    decisions: list[Decision]
+    end_s: float
+
+
+class Cluster:
+    def __init__(
+        self,
+        profiles: Sequence[ReplicaProfile],
+        policy: Policy,
+        *,
+        seed: int = 0,
+        kv_blocks: int | None = None,
+        span_decodes: bool = True,
+    ):
+        if not profiles:
+            raise ValueError("a cluster needs at least one replica")
+        self.replicas = [
+            SimReplica(i, p, kv_blocks, span_decodes=span_decodes) for i, p in enumerate(profiles)
+        ]
+        self.policy = policy
+        self.rng = random.Random(seed)
+        self._events: list[tuple[float, int, int, object]] = []
+        self._sequence = 0
+
+    def run(self, requests: Sequence[SimRequest]) -> SimResult:
+        followers = {r.after: r for r in requests if r.after is not None}
+        ids = {r.request_id for r in requests}
+        missing = [r.after for r in requests if r.after is not None and r.after not in ids]
+        if missing:
+            raise ValueError(f"requests follow unknown request ids, e.g. {missing[0]!r}")
+        for request in requests:
+            if request.after is None:
+                self._push(request.arrival_s, _ARRIVAL, request)
+        states: list[RequestState] = []
+        decisions: list[Decision] = []
+        now = 0.0
+        while self._events:
+            now, _, kind, payload = heapq.heappop(self._events)
+            if kind == _ARRIVAL:
+                state = self._route(payload, now)
+                states.append(state)
+                decisions.append(Decision(state.request.request_id, state.replica, now))
+                if state.rejected:
+                    self._follow(state, followers, now)
+            else:
+                replica_index, version = payload
+                replica = self.replicas[replica_index]
+                if version != replica.version:
+                    continue  # superseded by a later plan
+                for state in replica.finish_step(now):
+                    self._follow(state, followers, now)
+                self._start(replica, now)
+        return SimResult(states, self.replicas, decisions, now)
+
+    def views(self, request: SimRequest, now: float) -> list[ReplicaView]:
+        return [
+            ReplicaView(
+                index=replica.index,
+                name=replica.name,
+                healthy=True,
+                num_running=len(replica.running) + len(replica.waiting),
+                num_queued_prefill_tokens=replica.num_queued_prefill_tokens(),
+                num_decode_tokens=replica.num_decode_tokens(now),
+                kv_blocks_used=replica.cache.num_used,
+                kv_blocks_total=replica.cache.capacity,
+                cached_prefix_blocks=replica.cache.match_prefix(request.block_hashes),
+                prefill_tokens_per_s=replica.profile.prefill_tokens_per_s,
+                decode_tokens_per_s=replica.profile.decode_tokens_per_s,
+            )
+            for replica in self.replicas
+        ]
+
+    def _route(self, request: SimRequest, now: float) -> RequestState:
+        view = RequestView(
+            request_id=request.request_id,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_hashes=request.block_hashes,
+            block_size=self.replicas[0].profile.block_size,
+            session_key=request.session_key,
+            max_output_tokens=request.num_output_tokens,
+        )
+        chosen = self.policy.choose(view, self.views(request, now), self.rng)
+        replica = self.replicas[chosen]
+        state = RequestState(request=request, arrival_s=now, replica=chosen)
+        if not replica.fits(request):
+            state.rejected = True  # longer than the replica's whole KV capacity
+            state.finish_s = now
+            return state
+        replica.enqueue(state)
+        if replica.plan is None:
+            self._start(replica, now)
+        else:
+            end_s = replica.cut_span(now)
+            if end_s is not None:
+                self._push(end_s, _STEP_END, (replica.index, replica.version))
+        return state
+
+    def _start(self, replica: SimReplica, now: float) -> None:
+        end_s = replica.start_step(now)
+        if end_s is not None:
+            self._push(end_s, _STEP_END, (replica.index, replica.version))
+
+    def _follow(self, state: RequestState, followers: dict, now: float) -> None:
+        follower = followers.get(state.request.request_id)
+        if follower is not None:
+            self._push(now + follower.think_s, _ARRIVAL, follower)
+
+    def _push(self, time_s: float, kind: int, payload: object) -> None:
+        self._sequence += 1
+        heapq.heappush(self._events, (time_s, self._sequence, kind, payload))

@@ -1,0 +1,90 @@
+"""Every routing policy on the same trace at the same offered load, and the bar's ratios."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from once.router.policies import POLICIES, make_policy
+from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
+from once.sim.cluster import Cluster
+from once.sim.metrics import summarize
+from once.sim.profiles import ReplicaProfile
+from once.sim.workload import SimRequest, scale_arrivals
+
+ONCE_POLICY = "once"
+DEFAULT_POLICIES = tuple(POLICIES)  # once and the six baselines, each at its own defaults
+
+
+@dataclass(frozen=True)
+class Scenario:
+    profile: ReplicaProfile
+    num_replicas: int = 8
+    load: float = 0.8
+    seed: int = 0
+
+
+def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: str) -> dict:
+    profile = scenario.profile
+    cluster = Cluster(
+        [profile] * scenario.num_replicas, make_policy(policy_name), seed=scenario.seed
+    )
+    result = cluster.run(requests)
+    row = summarize(result, requests, ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s)
+    return {"policy": policy_name, **row}
+
+
+def compare_policies(
+    requests: Sequence[SimRequest], scenario: Scenario, policy_names: Sequence[str]
+) -> dict:
+    if not requests:
+        raise ValueError("the trace has no requests")
+    unknown = [name for name in policy_names if name not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown routing policies {unknown}; choose from {sorted(POLICIES)}")
+    scale = arrival_scale_for_load(requests, scenario.profile, scenario.num_replicas, scenario.load)
+    scaled = scale_arrivals(list(requests), scale)
+    table = [run_policy(scaled, scenario, name) for name in policy_names]
+    report = {
+        "profile": scenario.profile.name,
+        "num_replicas": scenario.num_replicas,
+        "offered_load": scenario.load,
+        "arrival_scale": scale,
+        "kv_blocks_per_replica": scenario.profile.kv_blocks,
+        "block_size": scenario.profile.block_size,
+        "ttft_slo_s": scenario.profile.ttft_slo_s,
+        "tpot_slo_s": scenario.profile.tpot_slo_s,
+        "hit_ratio_bound": table[0]["hit_ratio_bound"],
+        "hit_ratio_shared_lru": shared_lru_hit_ratio(
+            scaled, scenario.profile.block_size, scenario.profile.kv_blocks * scenario.num_replicas
+        ),
+        "policies": table,
+    }
+    report.update(bar_ratios(table))
+    return report
+
+
+def bar_ratios(table: Sequence[dict]) -> dict:
+    """once against the best of the others: p90 TTFT (lower is better: the lowest other),
+    goodput (the highest other), and once's hit ratio against the unlimited-cache bound."""
+    once = next((row for row in table if row["policy"] == ONCE_POLICY), None)
+    others = [row for row in table if row["policy"] != ONCE_POLICY]
+    if once is None or not others:
+        return {}
+    best_ttft = min(others, key=lambda row: row["ttft_p90_s"])
+    best_goodput = max(others, key=lambda row: row["goodput_rps"])
+    bound = once["hit_ratio_bound"]
+    return {
+        "best_other_p90_ttft_policy": best_ttft["policy"],
+        "p90_ttft_ratio_vs_best": _ratio(once["ttft_p90_s"], best_ttft["ttft_p90_s"]),
+        "best_other_goodput_policy": best_goodput["policy"],
+        "goodput_ratio_vs_best": _ratio(once["goodput_rps"], best_goodput["goodput_rps"]),
+        "hit_ratio_vs_bound": _ratio(once["hit_ratio"], bound),
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    if b == 0 or math.isnan(a) or math.isnan(b):
+        return float("nan")
+    return a / b

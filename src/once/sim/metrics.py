@@ -1,0 +1,70 @@
+"""What a simulated run reports: cache hits, latency percentiles, goodput, balance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from once.sim.capacity import bound_cached_tokens
+from once.sim.cluster import SimResult
+from once.sim.workload import SimRequest
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default), q in [0, 100]; NaN when empty."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(
+    result: SimResult,
+    requests: Sequence[SimRequest],
+    *,
+    ttft_slo_s: float,
+    tpot_slo_s: float,
+) -> dict:
+    states = result.states
+    served = [s for s in states if not s.rejected and s.finish_s is not None]
+    num_prompt = sum(s.request.num_prompt_tokens for s in served)
+    num_cached = sum(s.num_cached_tokens for s in served)
+    ttfts = [s.first_token_s - s.arrival_s for s in served]
+    tpots = [
+        (s.finish_s - s.first_token_s) / (s.request.num_output_tokens - 1)
+        for s in served
+        if s.request.num_output_tokens > 1
+    ]
+    good = 0
+    for state in served:
+        ttft_ok = state.first_token_s - state.arrival_s <= ttft_slo_s
+        tokens = state.request.num_output_tokens
+        tpot = (state.finish_s - state.first_token_s) / (tokens - 1) if tokens > 1 else 0.0
+        good += ttft_ok and tpot <= tpot_slo_s
+    first_arrival = min((s.arrival_s for s in states), default=0.0)
+    duration_s = max(result.end_s - first_arrival, 1e-9)
+    busy = [replica.busy_s for replica in result.replicas]
+    mean_busy = sum(busy) / len(busy)
+    block_size = result.replicas[0].profile.block_size
+    bound = bound_cached_tokens(requests, block_size)
+    num_bound_prompt = sum(r.num_prompt_tokens for r in requests)
+    return {
+        "num_requests": len(states),
+        "num_rejected": len(states) - len(served),
+        "hit_ratio": num_cached / num_prompt if num_prompt else 0.0,
+        "hit_ratio_bound": sum(bound) / num_bound_prompt if num_bound_prompt else 0.0,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "tpot_mean_s": sum(tpots) / len(tpots) if tpots else float("nan"),
+        "tpot_p90_s": percentile(tpots, 90),
+        "slo_attainment": good / len(states) if states else 0.0,
+        "goodput_rps": good / duration_s,
+        # max / mean busy time of the replicas: 1.0 is perfect balance
+        "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else 1.0,
+        "prefilled_tokens": sum(replica.num_prefilled_tokens for replica in result.replicas),
+        "kv_evictions": sum(replica.cache.num_evictions for replica in result.replicas),
+        "duration_s": duration_s,
+    }
