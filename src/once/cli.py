@@ -238,8 +238,8 @@ def main(argv=None) -> int:
         "--mcp", action="append", default=[], help="name=command args (stdio) or name=URL"
     )
 
-    sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)")
-    sub.add_parser("sim", help="the cluster simulator on production traces (see --help)")
+    sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)", add_help=False)
+    sub.add_parser("sim", help="the cluster simulator on production traces", add_help=False)
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument("target", choices=["engine", "gateway", "agent"])
