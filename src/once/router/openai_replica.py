@@ -1,0 +1,221 @@
+"""`EngineClient` over an OpenAI-compatible `/v1/completions` server (vLLM, SGLang).
+
+The prompt goes as token ids (`"prompt": [ids]`, accepted by both), streamed with
+`stream_options.include_usage`. Output token ids are read from, in order of preference:
+- `choices[0].token_ids` (vLLM with `"return_token_ids": true`, sent on every request);
+- `choices[0].logprobs.tokens` as `"token_id:<id>"` strings (vLLM with
+  `--return-tokens-as-token-ids` and `logprobs: 0`, older versions);
+a chunk with text but no ids is a protocol error (the router cannot continue a
+conversation from text it would have to re-tokenize). Cached prompt tokens come from the
+final usage chunk, `usage.prompt_tokens_details.cached_tokens` (vLLM with
+`--enable-prompt-tokens-details`; SGLang reports it by default), so `num_cached_tokens`
+arrives on the LAST delta here, not the first.
+
+`forced_output_ids` cannot be forced through this API: the replica is asked for exactly
+that many tokens with `ignore_eos`, so the cost matches the recording but the ids are
+the server's own.
+"""
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+
+from once.engine.client import DEFAULT_TIMEOUT
+from once.protocol.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    RequestMetrics,
+    TokenDelta,
+)
+from once.protocol.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    OnceError,
+)
+
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def completions_body(request: GenerateRequest, model: str) -> dict:
+    sampling = request.sampling
+    body = {
+        "model": model,
+        "prompt": list(request.prompt_token_ids),
+        "max_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        # vLLM/SGLang extensions to the OpenAI schema:
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "skip_special_tokens": False,
+    }
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt  # vLLM >= 0.9: salts the first block hash
+    if request.forced_output_ids is not None:
+        body["max_tokens"] = max(1, len(request.forced_output_ids))
+        body["ignore_eos"] = True
+    return body
+
+
+def error_from_status(status_code: int, body: bytes) -> OnceError:
+    """vLLM/SGLang error bodies (`{"error": {"message": ...}}` or `{"message": ...}`) by
+    status: 400 is the request's fault, 429/503 an overloaded replica, other 5xx dead."""
+    try:
+        data = json.loads(body)
+        error = data.get("error", data) if isinstance(data, dict) else {}
+        message = error.get("message") if isinstance(error, dict) else str(error)
+    except ValueError:
+        message = None
+    message = message or body[:200].decode(errors="replace")
+    if status_code in (400, 404, 413, 422):
+        return InvalidRequestError(f"replica rejected the request: {message}")
+    if status_code in (429, 503):
+        return EngineOverloadedError(f"replica overloaded ({status_code}): {message}")
+    if status_code >= 500:
+        return EngineDeadError(f"replica failed ({status_code}): {message}")
+    return OnceError(f"replica answered {status_code}: {message}")
+
+
+def token_ids_of(choice: dict) -> list[int]:
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return [int(token_id) for token_id in ids]
+    tokens = (choice.get("logprobs") or {}).get("tokens")
+    if tokens is not None:
+        if not all(isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX) for t in tokens):
+            raise OnceError("replica sent logprob tokens that are not 'token_id:<id>'")
+        return [int(t[len(TOKEN_ID_PREFIX) :]) for t in tokens]
+    if choice.get("text"):
+        raise OnceError(
+            "replica streamed text without token ids; start vLLM >= 0.10.2 (return_token_ids)"
+            " or with --return-tokens-as-token-ids"
+        )
+    return []
+
+
+class OpenAICompletionsClient:
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout, transport=transport, headers=headers
+        )
+        self._open: dict[str, httpx.Response] = {}
+        self._counters = {"num_requests_finished": 0, "num_prompt_tokens": 0}
+        self._counters |= {"num_cached_prompt_tokens": 0, "num_generated_tokens": 0}
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        arrival = time.monotonic()
+        first_token_at: float | None = None
+        num_output = 0
+        finish_reason: str | None = None
+        usage: dict = {}
+        try:
+            async with self._http.stream(
+                "POST", "/v1/completions", json=completions_body(request, self.model)
+            ) as response:
+                if response.status_code != 200:
+                    raise error_from_status(response.status_code, await response.aread())
+                self._open[request.request_id] = response
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = self._parse(data)
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices") or []:
+                        ids = token_ids_of(choice)
+                        finish_reason = choice.get("finish_reason") or finish_reason
+                        if ids:
+                            first_token_at = first_token_at or time.monotonic()
+                            num_output += len(ids)
+                            yield TokenDelta(request.request_id, ids)
+        except httpx.TransportError as exc:
+            raise EngineDeadError(f"lost the replica at {self.base_url}: {exc!r}") from exc
+        finally:
+            self._open.pop(request.request_id, None)
+        if finish_reason is None:
+            raise EngineDeadError(
+                f"replica at {self.base_url} ended the stream of {request.request_id} "
+                "without a finish reason"
+            )
+        yield self._last_delta(request, finish_reason, usage, num_output, arrival, first_token_at)
+
+    async def abort(self, request_id: str) -> None:
+        # OpenAI servers abort a request when its stream is closed.
+        response = self._open.pop(request_id, None)
+        if response is not None:
+            await response.aclose()
+
+    async def stats(self) -> dict:
+        return {"num_running": len(self._open), **self._counters}
+
+    async def check_health(self) -> None:
+        try:
+            response = await self._http.get("/health")
+        except httpx.TransportError as exc:
+            raise EngineDeadError(f"cannot reach the replica at {self.base_url}: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineDeadError(f"replica at {self.base_url} health: {response.status_code}")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def _parse(self, data: str) -> dict:
+        try:
+            chunk = json.loads(data)
+        except ValueError as exc:
+            raise OnceError(f"replica sent a malformed chunk: {data[:200]!r}") from exc
+        if "error" in chunk:
+            error = chunk["error"]
+            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
+            raise OnceError(f"replica error: {message}")
+        return chunk
+
+    def _last_delta(self, request, finish_reason, usage, num_output, arrival, first_token_at):
+        num_prompt = int(usage.get("prompt_tokens") or len(request.prompt_token_ids))
+        details = usage.get("prompt_tokens_details") or {}
+        num_cached = int(details.get("cached_tokens") or 0)
+        now = time.monotonic()
+        counters = self._counters
+        counters["num_requests_finished"] += 1
+        counters["num_prompt_tokens"] += num_prompt
+        counters["num_cached_prompt_tokens"] += num_cached
+        counters["num_generated_tokens"] += num_output
+        ttft = (first_token_at or now) - arrival
+        metrics = RequestMetrics(
+            num_prompt_tokens=num_prompt,
+            num_cached_tokens=num_cached,
+            num_computed_tokens=num_prompt - num_cached,
+            num_output_tokens=num_output,
+            ttft_s=ttft,
+            mean_token_latency_s=(now - arrival - ttft) / max(1, num_output - 1),
+            e2e_s=now - arrival,
+        )
+        reason = FINISH_STOP if finish_reason == "stop" else FINISH_LENGTH
+        if finish_reason not in ("stop", "length"):
+            reason = finish_reason
+        return TokenDelta(
+            request.request_id, [], reason, num_cached_tokens=num_cached, metrics=metrics
+        )

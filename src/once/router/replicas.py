@@ -1,0 +1,287 @@
+"""One replica as the router sees it: a client, its load, its speed, its cache, its health.
+
+The router never asks a replica for its load before routing (that is a round trip per
+request): it counts what it sent. Per request in flight it keeps the prompt tokens still
+to prefill (until the first delta), the output tokens still expected, and the KV blocks
+held; `view()` sums them into the `ReplicaView` the policies read.
+
+Speed is measured from the requests themselves, in the unit the once policy predicts in:
+- prefill: the TTFT the router observed against the work it predicted (prompt tokens
+  queued ahead at dispatch + this request's uncached tokens), fitted as
+  ttft = overhead + work / speed by least squares over recent requests (decayed sums):
+  a plain work/ttft mean would call a replica that serves mostly cache hits slow, since
+  its short prefills are all overhead. It folds in queueing, network and the decode steps
+  sharing the engine, so the prediction is calibrated to itself.
+- decode: output tokens / time after the first token, per stream, times the streams in
+  flight (aggregate throughput of the batch).
+Both start from the same prior on every replica, so an unmeasured replica is neither
+favoured nor shunned.
+
+Health: `mark_down` after a failure (death, timeout); the router's health loop calls
+`probe()` (the client's `check_health()` when it has one, else `stats()`) and a success
+brings the replica back. Its prefix index is cleared on the way down (a
+restarted engine has an empty cache and sends no event saying so).
+"""
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics
+from once.router.index import ApproximatePrefixIndex, ExactPrefixIndex
+from once.router.policies import ReplicaView
+
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+DEFAULT_DECODE_TOKENS_PER_S = 20.0
+DEFAULT_OUTPUT_TOKENS = 256  # the expected output until finished requests say otherwise
+SPEED_SMOOTHING = 0.2  # weight of a new sample in the moving averages
+
+
+def moving_average(old: float, sample: float, weight: float = SPEED_SMOOTHING) -> float:
+    return (1 - weight) * old + weight * sample
+
+
+class PrefillSpeedMeter:
+    """Decayed least-squares fit of ttft = overhead + work / speed."""
+
+    def __init__(self, prior_tokens_per_s: float, decay: float = 0.95):
+        self.tokens_per_s = prior_tokens_per_s
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy (x = work tokens, y = ttft seconds)
+
+    def add(self, work_tokens: float, ttft_s: float) -> None:
+        x, y = float(work_tokens), float(ttft_s)
+        self._sums = [self.decay * s for s in self._sums]
+        for i, term in enumerate((1.0, x, y, x * x, x * y)):
+            self._sums[i] += term
+        n, sx, sy, sxx, sxy = self._sums
+        spread = sxx - sx * sx / n
+        slope = (sxy - sx * sy / n) / spread if spread > 1e-9 * max(1.0, sxx) else 0.0
+        if slope <= 0 and sy > 0:
+            slope = sy / max(sx, 1.0)  # no spread in work yet: the plain ratio
+        if slope > 0:
+            self.tokens_per_s = 1.0 / slope
+
+
+@dataclass
+class InFlight:
+    num_prefill_tokens: int  # cleared when the first delta arrives
+    num_queued_ahead: int  # prefill tokens queued on the replica when this was sent
+    num_decode_tokens: int  # expected output still to come
+    num_blocks: int
+    num_prompt_tokens: int
+    num_predicted_cached_tokens: int  # what the prefix index promised at dispatch
+    sent_at: float
+    first_delta_at: float | None = None
+    num_output_tokens: int = 0
+
+
+class Replica:
+    def __init__(
+        self,
+        name: str,
+        client: EngineClient,
+        *,
+        index: int,
+        block_size: int = 16,
+        kv_blocks_total: int = 2000,
+        prefix_index: ApproximatePrefixIndex | ExactPrefixIndex | None = None,
+        kv_event_source=None,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+        decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
+    ):
+        if block_size < 1 or kv_blocks_total < 1:
+            raise ValueError("block_size and kv_blocks_total must be >= 1")
+        self.name = name
+        self.client = client
+        self.index = index
+        self.block_size = block_size
+        self.kv_blocks_total = kv_blocks_total
+        self.prefix_index = prefix_index or ApproximatePrefixIndex(kv_blocks_total)
+        # A callable returning new KV events (e.g. LLMEngine.take_kv_events) for an exact
+        # index fed in process; remote sources push into the index themselves.
+        self.kv_event_source = kv_event_source
+        self.prefill_meter = PrefillSpeedMeter(prefill_tokens_per_s)
+        self.decode_tokens_per_s_per_stream = decode_tokens_per_s
+        self.mean_output_tokens = float(DEFAULT_OUTPUT_TOKENS)
+        self.healthy = True
+        self.down_reason: str | None = None
+        self.down_since: float | None = None
+        self.in_flight: dict[str, InFlight] = {}
+        self.counters = dict.fromkeys(
+            (
+                "num_routed",
+                "num_finished",
+                "num_failures",
+                "num_rejoins",
+                "num_prompt_tokens",
+                "num_cached_tokens",
+                "num_predicted_cached_tokens",
+            ),
+            0,
+        )
+
+    # -- what the policies see --------------------------------------------------------------
+
+    def sync_index(self) -> None:
+        if self.kv_event_source is not None and isinstance(self.prefix_index, ExactPrefixIndex):
+            self.prefix_index.apply(self.kv_event_source())
+
+    def num_cached_blocks(self, block_hashes: tuple[int, ...], num_prompt_tokens: int) -> int:
+        # An engine always computes the last prompt token (its logits give the first output
+        # token), so a prompt that is all full blocks can reuse one block fewer.
+        usable = block_hashes[: max(0, num_prompt_tokens - 1) // self.block_size]
+        return self.prefix_index.match(usable)
+
+    def view(self, block_hashes: tuple[int, ...], num_prompt_tokens: int) -> ReplicaView:
+        flights = self.in_flight.values()
+        return ReplicaView(
+            index=self.index,
+            name=self.name,
+            healthy=self.healthy,
+            num_running=len(self.in_flight),
+            num_queued_prefill_tokens=sum(f.num_prefill_tokens for f in flights),
+            num_decode_tokens=sum(f.num_decode_tokens for f in flights),
+            kv_blocks_used=sum(f.num_blocks for f in flights),
+            kv_blocks_total=self.kv_blocks_total,
+            cached_prefix_blocks=self.num_cached_blocks(block_hashes, num_prompt_tokens),
+            prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s_per_stream * max(1, len(flights)),
+        )
+
+    # -- request life cycle (called by the router) ------------------------------------------
+
+    def on_dispatch(self, request: GenerateRequest, block_hashes: tuple[int, ...]) -> None:
+        num_prompt = len(request.prompt_token_ids)
+        cached = self.num_cached_blocks(block_hashes, num_prompt) * self.block_size
+        expected_output = request.sampling.max_tokens
+        if request.forced_output_ids is not None:
+            expected_output = len(request.forced_output_ids)
+        else:
+            expected_output = min(expected_output, round(self.mean_output_tokens))
+        self.in_flight[request.request_id] = InFlight(
+            num_prefill_tokens=max(1, num_prompt - cached),
+            num_queued_ahead=sum(f.num_prefill_tokens for f in self.in_flight.values()),
+            num_decode_tokens=expected_output,
+            num_blocks=-(-(num_prompt + expected_output) // self.block_size),
+            num_prompt_tokens=num_prompt,
+            num_predicted_cached_tokens=cached,
+            sent_at=time.monotonic(),
+        )
+        self.counters["num_routed"] += 1
+        if isinstance(self.prefix_index, ApproximatePrefixIndex):
+            self.prefix_index.record(block_hashes)
+
+    def on_delta(self, request_id: str, num_new_tokens: int) -> None:
+        flight = self.in_flight.get(request_id)
+        if flight is None:
+            return
+        now = time.monotonic()
+        if flight.first_delta_at is None:
+            flight.first_delta_at = now
+            work = flight.num_queued_ahead + flight.num_prefill_tokens
+            self.prefill_meter.add(work, now - flight.sent_at)
+            flight.num_prefill_tokens = 0
+        flight.num_output_tokens += num_new_tokens
+        flight.num_decode_tokens = max(0, flight.num_decode_tokens - num_new_tokens)
+
+    def on_finish(
+        self,
+        request_id: str,
+        metrics: RequestMetrics | None,
+        num_cached_tokens: int | None,
+        completed_hashes: list[int] | None = None,
+    ) -> None:
+        flight = self.in_flight.pop(request_id, None)
+        if flight is None:
+            return
+        # Prompt and cached tokens of finished requests only, so the hit rate is exact.
+        self.counters["num_finished"] += 1
+        self.counters["num_prompt_tokens"] += flight.num_prompt_tokens
+        self.counters["num_cached_tokens"] += num_cached_tokens or 0
+        self.counters["num_predicted_cached_tokens"] += flight.num_predicted_cached_tokens
+        num_output = flight.num_output_tokens
+        self.mean_output_tokens = moving_average(self.mean_output_tokens, num_output)
+        if flight.first_delta_at is not None and num_output > 1:
+            decode_s = time.monotonic() - flight.first_delta_at
+            if decode_s > 1e-4:
+                rate = (num_output - 1) / decode_s
+                self.decode_tokens_per_s_per_stream = moving_average(
+                    self.decode_tokens_per_s_per_stream, rate
+                )
+        if completed_hashes and isinstance(self.prefix_index, ApproximatePrefixIndex):
+            self.prefix_index.record(completed_hashes)
+
+    def on_abandon(self, request_id: str) -> None:
+        """The request failed or was cut off: forget it without learning from it."""
+        self.in_flight.pop(request_id, None)
+
+    # -- health -----------------------------------------------------------------------------
+
+    def mark_down(self, reason: str) -> None:
+        self.counters["num_failures"] += 1
+        if self.healthy:
+            self.healthy = False
+            self.down_reason = reason
+            self.down_since = time.monotonic()
+        self.in_flight.clear()
+        self.prefix_index.clear()
+
+    async def probe(self, timeout_s: float = 5.0) -> bool:
+        """True when the replica answers its health check (or, lacking one, `stats()`
+        without reporting a dead engine loop) within `timeout_s`."""
+
+        async def check() -> bool:
+            check_health = getattr(self.client, "check_health", None)
+            if check_health is not None:
+                result = check_health()
+                if hasattr(result, "__await__"):
+                    await result
+                return True
+            stats = await self.client.stats()
+            return bool(stats.get("engine_alive", True))
+
+        try:
+            return await asyncio.wait_for(check(), timeout_s)
+        except Exception:  # any failure of the probe (timeout included) keeps it down
+            return False
+
+    def mark_up(self) -> None:
+        if not self.healthy:
+            self.healthy = True
+            self.down_reason = None
+            self.down_since = None
+            self.counters["num_rejoins"] += 1
+
+    def stats(self) -> dict:
+        view = self.view((), 0)
+        return {
+            "name": self.name,
+            "healthy": self.healthy,
+            "down_reason": self.down_reason,
+            "num_running": view.num_running,
+            "num_queued_prefill_tokens": view.num_queued_prefill_tokens,
+            "num_decode_tokens": view.num_decode_tokens,
+            "kv_blocks_used": view.kv_blocks_used,
+            "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
+            "decode_tokens_per_s_per_stream": round(self.decode_tokens_per_s_per_stream, 2),
+            "prefix_index": self.prefix_index.kind,
+            "prefix_index_blocks": len(self.prefix_index),
+            **self.counters,
+        }
+
+
+def in_process_replica(name: str, async_engine, *, index: int) -> Replica:
+    """A replica around an in-process `AsyncEngine`, with an exact prefix index fed by its
+    `LLMEngine.take_kv_events()` (drained before each routing decision). The engine hashes
+    blocks like the router, so its hashes are used as they are."""
+    core = async_engine.engine
+    return Replica(
+        name,
+        async_engine,
+        index=index,
+        block_size=core.config.block_size,
+        kv_blocks_total=len(core.pool.blocks),
+        prefix_index=ExactPrefixIndex(rehash=False),
+        kv_event_source=core.take_kv_events,
+    )

@@ -1,0 +1,303 @@
+"""The router: an `EngineClient` that sends each request to one of N replicas.
+
+Per request: hash the prompt's full blocks (the engines' chained hashes), sync the exact
+indices from their KV events, ask the policy (policies.py, shared with the simulator) for a
+replica given each one's load, speed and cached prefix, stream the replica's deltas back.
+
+Failover. A replica that raises `EngineDeadError` (dead process, refused connection, cut
+stream), an OS error, or stays silent past `first_delta_timeout_s` / `delta_timeout_s`,
+is marked down and skipped by every policy until a health probe succeeds (every
+`health_interval_s`, in the background). The request in hand:
+- if nothing was streamed to the caller yet, it is sent again to another replica (at
+  most `max_attempts` replicas in all): the caller never notices;
+- if deltas were streamed, it ends with `EngineDeadError` (code `engine_unavailable`,
+  HTTP 503), which a client may retry as a whole; partial output is never spliced.
+`EngineOverloadedError` moves the request to another replica without marking anything
+down. Request errors (too long, bad ids) go to the caller as they are.
+
+Pointing the router at vLLM (it cannot be installed on these machines, so this path is
+tested against a fake server speaking the same wire format):
+
+    vllm serve MODEL --port 8001 --enable-prompt-tokens-details \\
+        --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+                             "endpoint": "tcp://*:5557", "topic": "kv-events"}'
+
+    client = OpenAICompletionsClient("http://host:8001", model="MODEL")
+    index = ExactPrefixIndex(rehash=True)  # vLLM hashes differently: re-derive ours
+    task = asyncio.create_task(zmq_event_subscriber("tcp://host:5557", index))
+    replica = Replica("vllm-0", client, index=0, block_size=16,  # vLLM's --block-size
+                      kv_blocks_total=..., prefix_index=index)
+    router = Router([replica, ...], RouterConfig(policy="once"))
+
+or from the command line, with approximate indices: `once router --openai-url
+http://host:8001 --openai-model MODEL ...` (serve.py). Without the ZMQ subscriber (it
+needs `pyzmq` and `msgpack`) leave `prefix_index` out and the router keeps an approximate
+index from the prompts it routed. The router's `block_size` must equal vLLM's
+`--block-size` (16 by default). vLLM must return output token ids: >= 0.10.2 does with
+`return_token_ids` (always sent), older ones need `--return-tokens-as-token-ids`; a server
+that streams text only gets a clear error, never a silent re-tokenization. SGLang accepts
+the same token-id prompts; whether its build streams output ids decides whether the
+client can use it (untested here); it publishes no KV events in vLLM's format, so its
+replicas use the approximate index.
+"""
+
+import asyncio
+import contextlib
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from once.engine.kv.hashing import block_hashes, extend_block_hashes
+from once.protocol.engine import FINISH_ERROR, EngineClient, GenerateRequest, TokenDelta
+from once.protocol.errors import EngineDeadError, EngineOverloadedError
+from once.router.policies import Policy, RequestView, make_policy
+from once.router.replicas import Replica
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "once"
+    policy_params: dict = field(default_factory=dict)
+    block_size: int = 16  # must equal the replicas' KV block size for the index to match
+    max_attempts: int = 3  # replicas tried for one request before giving up
+    first_delta_timeout_s: float | None = None  # None: a long CPU prefill is not a death
+    delta_timeout_s: float | None = None
+    health_interval_s: float = 1.0
+    probe_timeout_s: float = 5.0  # a hung replica must not stall the health loop
+    seed: int = 0  # of the tie-breaking rng: same seed, same decisions as the simulator
+    max_decisions: int = 10_000  # recent (request id, replica name) pairs kept
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.max_attempts < 1:
+            raise ValueError("block_size and max_attempts must be >= 1")
+        for name in ("first_delta_timeout_s", "delta_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None")
+        if self.health_interval_s <= 0 or self.probe_timeout_s <= 0:
+            raise ValueError("health_interval_s and probe_timeout_s must be > 0")
+
+
+class ReplicaFailure(Exception):
+    """Internal: the replica, not the request, failed."""
+
+
+def _is_dead_delta(delta: TokenDelta) -> bool:
+    return delta.finish_reason == FINISH_ERROR and (delta.error or {}).get("code") in (
+        EngineDeadError.code,
+        EngineOverloadedError.code,
+    )
+
+
+class Router:
+    def __init__(self, replicas: Sequence[Replica], config: RouterConfig | None = None):
+        if not replicas:
+            raise ValueError("a router needs at least one replica")
+        names = [replica.name for replica in replicas]
+        if len(set(names)) != len(names):
+            raise ValueError(f"replica names must be unique: {names}")
+        self.config = config or RouterConfig()
+        for position, replica in enumerate(replicas):
+            if replica.index != position:
+                raise ValueError("replica.index must equal its position in the list")
+            if replica.block_size != self.config.block_size:
+                raise ValueError(f"replica {replica.name} block size differs from the router's")
+        self.replicas = list(replicas)
+        self.policy: Policy = make_policy(self.config.policy, **self.config.policy_params)
+        self.rng = random.Random(self.config.seed)
+        self.decisions: deque[tuple[str, str]] = deque(maxlen=self.config.max_decisions)
+        self._where: dict[str, Replica] = {}  # request id -> replica serving it now
+        self._health_task: asyncio.Task | None = None
+        self.counters = dict.fromkeys(
+            (
+                "num_requests",
+                "num_finished",
+                "num_retries",
+                "num_failed_after_stream",
+                "num_failed_no_replica",
+            ),
+            0,
+        )
+
+    @classmethod
+    def over(
+        cls, clients: Sequence[EngineClient], config: RouterConfig | None = None, **replica_kw
+    ) -> "Router":
+        """A router over plain clients, named replica-0..N-1, approximate indices."""
+        config = config or RouterConfig()
+        replicas = [
+            Replica(f"replica-{i}", client, index=i, block_size=config.block_size, **replica_kw)
+            for i, client in enumerate(clients)
+        ]
+        return cls(replicas, config)
+
+    # -- EngineClient -----------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        self._ensure_health_loop()
+        self.counters["num_requests"] += 1
+        prompt = request.prompt_token_ids
+        hashes = tuple(block_hashes(prompt, self.config.block_size, request.cache_salt))
+        tried: set[int] = set()
+        while True:
+            replica = self._choose(request, hashes, tried)
+            tried.add(replica.index)
+            streamed = False
+            try:
+                async with contextlib.aclosing(self._stream_from(replica, request, hashes)) as it:
+                    async for delta in it:
+                        streamed = True
+                        yield delta
+                self.counters["num_finished"] += 1
+                return
+            except ReplicaFailure as failure:
+                cause = failure.__cause__
+                if streamed:
+                    self.counters["num_failed_after_stream"] += 1
+                    raise EngineDeadError(
+                        f"replica {replica.name} failed while streaming {request.request_id} "
+                        f"({cause!r}); the request can be retried"
+                    ) from cause
+                if len(tried) >= self.config.max_attempts:
+                    self.counters["num_failed_no_replica"] += 1
+                    raise EngineDeadError(
+                        f"{request.request_id} failed on {len(tried)} replicas, last "
+                        f"{replica.name}: {cause!r}; the request can be retried"
+                    ) from cause
+                self.counters["num_retries"] += 1
+
+    async def abort(self, request_id: str) -> None:
+        replica = self._where.get(request_id)
+        if replica is not None:
+            await replica.client.abort(request_id)
+
+    async def stats(self) -> dict:
+        replicas = {replica.name: replica.stats() for replica in self.replicas}
+        num_prompt = sum(r["num_prompt_tokens"] for r in replicas.values())
+        num_cached = sum(r["num_cached_tokens"] for r in replicas.values())
+        return {
+            "policy": self.policy.name,
+            **self.counters,
+            "num_running": sum(r["num_running"] for r in replicas.values()),
+            "num_healthy_replicas": sum(r["healthy"] for r in replicas.values()),
+            "num_prompt_tokens": num_prompt,
+            "num_cached_prompt_tokens": num_cached,
+            "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else 0.0,
+            "replicas": replicas,
+        }
+
+    async def check_health(self) -> None:
+        # The engine server's /healthz calls this: the router is up while a replica is.
+        if not any(replica.healthy for replica in self.replicas):
+            raise EngineDeadError("no healthy replica")
+
+    # -- health -----------------------------------------------------------------------------
+
+    async def check_replicas(self) -> None:
+        """One health pass: probe every down replica at once; the ones that answer rejoin."""
+        down = [replica for replica in self.replicas if not replica.healthy]
+        results = await asyncio.gather(
+            *(replica.probe(self.config.probe_timeout_s) for replica in down)
+        )
+        for replica, alive in zip(down, results, strict=True):
+            if alive:
+                replica.mark_up()
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+
+    def _ensure_health_loop(self) -> None:
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            await self.check_replicas()
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def _choose(self, request: GenerateRequest, hashes: tuple[int, ...], tried: set[int]):
+        for replica in self.replicas:
+            replica.sync_index()
+        num_prompt = len(request.prompt_token_ids)
+        views = [replica.view(hashes, num_prompt) for replica in self.replicas]
+        views = [replace(v, healthy=False) if v.index in tried else v for v in views]
+        request_view = RequestView(
+            request_id=request.request_id,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            block_hashes=hashes,
+            block_size=self.config.block_size,
+            session_key=request.session_key,
+            max_output_tokens=request.sampling.max_tokens,
+        )
+        try:
+            chosen = self.policy.choose(request_view, views, self.rng)
+        except EngineDeadError:
+            self.counters["num_failed_no_replica"] += 1
+            raise
+        if not views[chosen].healthy:
+            raise RuntimeError(f"policy {self.policy.name} chose an unavailable replica")
+        self.decisions.append((request.request_id, self.replicas[chosen].name))
+        return self.replicas[chosen]
+
+    async def _stream_from(
+        self, replica: Replica, request: GenerateRequest, hashes: tuple[int, ...]
+    ) -> AsyncIterator[TokenDelta]:
+        """The replica's deltas, with its bookkeeping; a replica fault -> ReplicaFailure."""
+        replica.on_dispatch(request, hashes)
+        self._where[request.request_id] = replica
+        output_ids: list[int] = []
+        num_cached: int | None = None
+        first = True
+        finished = False
+        stream = replica.client.generate(request)
+        try:
+            while True:
+                config = self.config
+                timeout = config.first_delta_timeout_s if first else config.delta_timeout_s
+                try:
+                    delta = await asyncio.wait_for(anext(stream), timeout)
+                except StopAsyncIteration:
+                    raise EngineDeadError(f"{replica.name} ended the stream unfinished") from None
+                if _is_dead_delta(delta):
+                    raise EngineDeadError(str((delta.error or {}).get("message")))
+                first = False
+                output_ids.extend(delta.token_ids)
+                if delta.num_cached_tokens is not None:
+                    num_cached = delta.num_cached_tokens
+                replica.on_delta(request.request_id, len(delta.token_ids))
+                if delta.finished:
+                    finished = True
+                    # Blocks of prompt + output (minus the last token, never computed) are
+                    # cached now: the next turn of this conversation starts with them.
+                    tokens = list(request.prompt_token_ids) + output_ids[:-1]
+                    completed = extend_block_hashes(
+                        list(hashes), tokens, self.config.block_size, request.cache_salt
+                    )
+                    if num_cached is None and delta.metrics is not None:
+                        num_cached = delta.metrics.num_cached_tokens
+                    replica.on_finish(request.request_id, delta.metrics, num_cached, completed)
+                    yield delta
+                    return
+                yield delta
+        except EngineOverloadedError as exc:
+            replica.on_abandon(request.request_id)
+            raise ReplicaFailure() from exc
+        except (EngineDeadError, TimeoutError, OSError) as exc:
+            replica.mark_down(f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                await replica.client.abort(request.request_id)
+            raise ReplicaFailure() from exc
+        finally:
+            if not finished:
+                replica.on_abandon(request.request_id)
+            if self._where.get(request.request_id) is replica:
+                del self._where[request.request_id]
+            with contextlib.suppress(Exception):
+                await stream.aclose()

@@ -1,0 +1,94 @@
+"""`once router`: the router as a server speaking the `once engine` HTTP API.
+
+    once router --engine-url http://127.0.0.1:8001 --engine-url http://127.0.0.1:8002 \\
+        --policy once --port 8000
+    once serve --engine-url http://127.0.0.1:8000      # the gateway in front of it
+
+Replicas are `once engine` servers (`--engine-url`) and/or OpenAI-compatible vLLM/SGLang
+servers (`--openai-url`, with `--openai-model`), in the order given; their block size must
+be the router's (`--block-size`, vLLM's default is 16 like once's). Indices are
+approximate here; for vLLM's exact KV events see router.py.
+"""
+
+import argparse
+from collections.abc import Sequence
+
+from once.engine.client import RemoteEngineClient
+from once.router.openai_replica import OpenAICompletionsClient
+from once.router.policies import POLICIES
+from once.router.replicas import Replica
+from once.router.router import Router, RouterConfig
+
+
+def parse_policy_param(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, float(value) if "." in value or "e" in value else int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a number") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="once router", description=__doc__.split("\n")[0])
+    parser.add_argument("--engine-url", action="append", default=[], help="a once engine")
+    parser.add_argument("--openai-url", action="append", default=[], help="a vLLM/SGLang")
+    parser.add_argument("--openai-model", default="", help="model name the OpenAI replicas serve")
+    parser.add_argument("--policy", default="once", choices=sorted(POLICIES))
+    parser.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        type=parse_policy_param,
+        help="NAME=VALUE passed to the policy, e.g. cache_threshold=0.5",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-blocks", type=int, default=2000, help="per replica, for indices")
+    parser.add_argument("--first-delta-timeout", type=float, default=None)
+    parser.add_argument("--delta-timeout", type=float, default=None)
+    parser.add_argument("--health-interval", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--served-model-name", default="once-router")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    return parser
+
+
+def build_router(args: argparse.Namespace) -> Router:
+    if not args.engine_url and not args.openai_url:
+        raise ValueError("give at least one replica (--engine-url or --openai-url)")
+    if args.openai_url and not args.openai_model:
+        raise ValueError("--openai-url needs --openai-model")
+    config = RouterConfig(
+        policy=args.policy,
+        policy_params=dict(args.policy_param),
+        block_size=args.block_size,
+        first_delta_timeout_s=args.first_delta_timeout,
+        delta_timeout_s=args.delta_timeout,
+        health_interval_s=args.health_interval,
+        seed=args.seed,
+    )
+    clients = [(url, RemoteEngineClient(url)) for url in args.engine_url]
+    clients += [(url, OpenAICompletionsClient(url, args.openai_model)) for url in args.openai_url]
+    replicas = [
+        Replica(url, client, index=i, block_size=args.block_size, kv_blocks_total=args.kv_blocks)
+        for i, (url, client) in enumerate(clients)
+    ]
+    return Router(replicas, config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        router = build_router(args)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2 and the usage line
+    import uvicorn  # noqa: PLC0415 - only when serving
+
+    from once.engine.server import build_engine_app  # noqa: PLC0415
+
+    app = build_engine_app(router, model_name=args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

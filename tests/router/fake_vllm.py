@@ -1,0 +1,106 @@
+"""A fake vLLM server: `/v1/completions` with token-id prompts, streamed as vLLM does.
+
+Backed by a ScriptedEngine (so the prefix cache and timing are real enough); served by a
+real uvicorn on a free local port, so the client's streaming and cancellation are real.
+"""
+
+import asyncio
+import contextlib
+import json
+import socket
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from once.engine.scripted import ScriptedEngine
+from once.protocol.engine import GenerateRequest, SamplingParams
+from once.protocol.errors import OnceError
+
+START_TIMEOUT_S = 5
+
+
+def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> FastAPI:
+    """id_mode: "token_ids" (return_token_ids), "logprobs" (token_id:<id> strings) or
+    "text" (no ids at all, as an old server without either option)."""
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.post("/v1/completions")
+    async def completions(http_request: Request):
+        body = await http_request.json()
+        app.state.bodies.append(body)
+        prompt = body["prompt"]
+        if len(prompt) > engine.max_model_len:
+            message = f"This model's maximum context length is {engine.max_model_len} tokens."
+            return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
+        request = GenerateRequest(
+            request_id=f"cmpl-{len(app.state.bodies)}",
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingParams(
+                max_tokens=body["max_tokens"],
+                ignore_eos=body.get("ignore_eos", False),
+                stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            ),
+            cache_salt=body.get("cache_salt"),
+        )
+
+        async def events():
+            num_cached = 0
+            num_output = 0
+            try:
+                async for delta in engine.generate(request):
+                    if delta.num_cached_tokens is not None:
+                        num_cached = delta.num_cached_tokens
+                    num_output += len(delta.token_ids)
+                    choice = {"index": 0, "text": "x" * len(delta.token_ids)}
+                    choice["finish_reason"] = delta.finish_reason
+                    if id_mode == "token_ids":
+                        choice["token_ids"] = delta.token_ids
+                    elif id_mode == "logprobs":
+                        choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in delta.token_ids]}
+                    chunk = {"id": request.request_id, "object": "text_completion"}
+                    yield f"data: {json.dumps(chunk | {'choices': [choice]})}\n\n"
+            except OnceError as exc:
+                yield f"data: {json.dumps({'error': {'message': exc.message}})}\n\n"
+                return
+            usage = {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": num_output,
+                "prompt_tokens_details": {"cached_tokens": num_cached},
+            }
+            final = {"id": request.request_id, "choices": [], "usage": usage}
+            yield f"data: {json.dumps(final)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: FastAPI):
+    """Run `app` on 127.0.0.1 with an OS-chosen port; yield (base URL, server)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        server.force_exit = True
+        await asyncio.wait_for(task, START_TIMEOUT_S)
+        sock.close()

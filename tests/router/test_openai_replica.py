@@ -1,0 +1,114 @@
+import contextlib
+
+import pytest
+
+from once.engine.scripted import ScriptedEngine
+from once.protocol.errors import EngineDeadError, InvalidRequestError, OnceError
+from once.router import OpenAICompletionsClient, Router, RouterConfig
+from once.router.openai_replica import error_from_status, token_ids_of
+from tests.router.fake_vllm import build_fake_vllm, serve_app
+from tests.router.fakes import collect, make_request
+
+PROMPT = list(range(10, 74))  # 4 blocks of 16
+
+
+@pytest.mark.parametrize("id_mode", ["token_ids", "logprobs"])
+async def test_streams_token_ids_and_reports_cached_tokens(id_mode):
+    engine = ScriptedEngine(tokens_per_delta=2)
+    app = build_fake_vllm(engine, id_mode=id_mode)
+    async with serve_app(app) as (url, _):
+        client = OpenAICompletionsClient(url, model="m")
+        try:
+            request = make_request("a", PROMPT, forced=None, max_tokens=5)
+            deltas, tokens = await collect(client, request)
+            assert tokens == PROMPT[:5]  # the scripted engine echoes the prompt
+            assert deltas[-1].finish_reason == "length"
+            assert deltas[-1].metrics.num_output_tokens == 5
+            body = app.state.bodies[0]
+            assert body["prompt"] == PROMPT and body["model"] == "m"
+            assert body["max_tokens"] == 5 and body["stream"] is True
+            assert body["return_token_ids"] is True and body["ignore_eos"] is True
+            # Second identical prompt: the replica's prefix cache answers, usage says so.
+            deltas, _ = await collect(client, make_request("b", PROMPT, max_tokens=5))
+            assert deltas[-1].num_cached_tokens == 48
+            assert (await client.stats())["num_cached_prompt_tokens"] == 48
+            await client.check_health()
+        finally:
+            await client.aclose()
+
+
+async def test_forced_outputs_and_salts_map_to_vllm_fields():
+    engine = ScriptedEngine()
+    app = build_fake_vllm(engine)
+    async with serve_app(app) as (url, _):
+        client = OpenAICompletionsClient(url, model="m")
+        try:
+            request = make_request("f", PROMPT, forced=[1, 2, 3], max_tokens=100)
+            request = type(request)(**{**request.__dict__, "cache_salt": "tenant-a"})
+            await collect(client, request)
+            body = app.state.bodies[0]
+            assert body["max_tokens"] == 3 and body["ignore_eos"] is True
+            assert body["cache_salt"] == "tenant-a"
+        finally:
+            await client.aclose()
+
+
+async def test_errors_from_the_server_are_mapped():
+    engine = ScriptedEngine(max_model_len=32)
+    app = build_fake_vllm(engine, id_mode="text")
+    async with serve_app(app) as (url, _):
+        client = OpenAICompletionsClient(url, model="m")
+        try:
+            with pytest.raises(InvalidRequestError, match="maximum context length"):
+                await collect(client, make_request("long", PROMPT))
+            with pytest.raises(OnceError, match="without token ids"):
+                await collect(client, make_request("text", PROMPT[:8]))
+        finally:
+            await client.aclose()
+
+
+def test_error_and_id_parsing_rules():
+    assert isinstance(error_from_status(503, b"{}"), OnceError)
+    assert error_from_status(503, b"busy").code == "engine_overloaded"
+    assert error_from_status(500, b'{"message": "boom"}').code == "engine_unavailable"
+    assert "boom" in error_from_status(500, b'{"message": "boom"}').message
+    assert token_ids_of({"token_ids": [1, 2]}) == [1, 2]
+    assert token_ids_of({"logprobs": {"tokens": ["token_id:7"]}}) == [7]
+    assert token_ids_of({"text": "", "finish_reason": "stop"}) == []
+    with pytest.raises(OnceError):
+        token_ids_of({"logprobs": {"tokens": ["hello"]}})
+
+
+async def test_router_fails_over_from_a_stopped_vllm_replica():
+    engines = [ScriptedEngine(), ScriptedEngine()]
+    stack0 = contextlib.AsyncExitStack()
+    async with stack0, serve_app(build_fake_vllm(engines[1])) as (url1, _):
+        url0, _ = await stack0.enter_async_context(serve_app(build_fake_vllm(engines[0])))
+        clients = [OpenAICompletionsClient(url0, "m"), OpenAICompletionsClient(url1, "m")]
+        router = Router.over(clients, RouterConfig(policy="round_robin"))
+        try:
+            _, tokens = await collect(router, make_request("a", PROMPT, max_tokens=3))
+            assert tokens == PROMPT[:3] and len(engines[0].requests) == 1
+            await stack0.aclose()  # replica 0 goes away
+            for i in range(3):
+                _, tokens = await collect(router, make_request(f"c{i}", PROMPT, max_tokens=2))
+                assert tokens == PROMPT[:2]
+            stats = await router.stats()
+            assert stats["replicas"]["replica-0"]["healthy"] is False
+            assert stats["num_finished"] == 4 and stats["num_retries"] == 1
+            assert len(engines[1].requests) == 3
+        finally:
+            await router.aclose()
+            for client in clients:
+                await client.aclose()
+
+
+async def test_health_check_of_an_unreachable_server_is_engine_dead():
+    client = OpenAICompletionsClient("http://127.0.0.1:9", model="m")
+    try:
+        with pytest.raises(EngineDeadError):
+            await client.check_health()
+        with pytest.raises(EngineDeadError):
+            await collect(client, make_request("x", PROMPT))
+    finally:
+        await client.aclose()

@@ -1,0 +1,223 @@
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from once.protocol.errors import EngineDeadError
+from once.router.policies import (
+    POLICIES,
+    CacheAware,
+    DynamoCost,
+    PredictedTTFT,
+    ReplicaView,
+    RequestView,
+    SessionAffinity,
+    make_policy,
+)
+
+BLOCK = 16
+
+
+def request(num_tokens=160, session_key=None, request_id="r") -> RequestView:
+    return RequestView(
+        request_id=request_id,
+        num_prompt_tokens=num_tokens,
+        block_hashes=tuple(range(num_tokens // BLOCK)),
+        block_size=BLOCK,
+        session_key=session_key,
+    )
+
+
+def replica(index, **fields) -> ReplicaView:
+    base = ReplicaView(
+        index=index,
+        name=f"r{index}",
+        healthy=True,
+        num_running=0,
+        num_queued_prefill_tokens=0,
+        num_decode_tokens=0,
+        kv_blocks_used=0,
+        kv_blocks_total=1000,
+        cached_prefix_blocks=0,
+        prefill_tokens_per_s=1000.0,
+        decode_tokens_per_s=100.0,
+    )
+    return replace(base, **fields)
+
+
+def idle(n):
+    return [replica(i) for i in range(n)]
+
+
+def test_all_issue_policies_are_registered():
+    assert set(POLICIES) == {
+        "round_robin",
+        "least_loaded",
+        "power_of_two",
+        "cache_aware",
+        "dynamo",
+        "session_affinity",
+        "once",
+    }
+    for name in POLICIES:
+        assert make_policy(name).name == name
+
+
+def test_make_policy_rejects_unknown_names_and_parameters():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("fastest")
+    with pytest.raises(ValueError, match="bad parameters"):
+        make_policy("round_robin", weight=2)
+    with pytest.raises(ValueError, match="cache_threshold"):
+        make_policy("cache_aware", cache_threshold=-1)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_skips_unhealthy_and_fails_cleanly_with_none(name):
+    policy = make_policy(name)
+    rng = random.Random(0)
+    replicas = [replica(0, healthy=False), replica(1), replica(2, healthy=False)]
+    for i in range(20):
+        assert policy.choose(request(session_key=f"s{i}"), replicas, rng) == 1
+    with pytest.raises(EngineDeadError):
+        policy.choose(request(), [replica(0, healthy=False)], rng)
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"round_robin"}))
+def test_ties_are_broken_at_random_not_by_index(name):
+    # Identical idle replicas, no session: every policy must spread first picks.
+    picks = Counter()
+    for seed in range(60):
+        picks[make_policy(name).choose(request(), idle(3), random.Random(seed))] += 1
+    assert set(picks) == {0, 1, 2}
+
+
+def test_same_seed_gives_same_decisions():
+    rng_a, rng_b = random.Random(7), random.Random(7)
+    a, b = make_policy("power_of_two"), make_policy("power_of_two")
+    seq_a = [a.choose(request(), idle(5), rng_a) for _ in range(30)]
+    seq_b = [b.choose(request(), idle(5), rng_b) for _ in range(30)]
+    assert seq_a == seq_b
+
+
+def test_round_robin_cycles_and_skips_down_replicas():
+    policy = make_policy("round_robin")
+    rng = random.Random(0)
+    assert [policy.choose(request(), idle(3), rng) for _ in range(4)] == [0, 1, 2, 0]
+    replicas = [replica(0), replica(1, healthy=False), replica(2)]
+    assert [policy.choose(request(), replicas, rng) for _ in range(3)] == [2, 0, 2]
+
+
+def test_least_loaded_prefers_fewest_in_flight_then_fewest_tokens():
+    policy = make_policy("least_loaded")
+    rng = random.Random(0)
+    replicas = [replica(0, num_running=3), replica(1, num_running=1), replica(2, num_running=2)]
+    assert policy.choose(request(), replicas, rng) == 1
+    replicas = [
+        replica(0, num_running=1, num_queued_prefill_tokens=500),
+        replica(1, num_running=1, num_queued_prefill_tokens=20),
+    ]
+    assert policy.choose(request(), replicas, rng) == 1
+
+
+def test_power_of_two_never_picks_the_most_loaded_of_three():
+    policy = make_policy("power_of_two")
+    replicas = [replica(0, num_running=9), replica(1, num_running=0), replica(2, num_running=1)]
+    picks = {policy.choose(request(), replicas, random.Random(s)) for s in range(50)}
+    assert 0 not in picks and picks == {1, 2}
+
+
+def test_cache_aware_follows_the_cache_above_threshold():
+    policy = CacheAware()
+    assert (policy.cache_threshold, policy.balance_abs_threshold) == (0.3, 64)
+    assert policy.balance_rel_threshold == 1.5
+    rng = random.Random(0)
+    # 4 of 10 blocks cached (0.4 > 0.3): the cached replica wins despite more load.
+    replicas = [replica(0, cached_prefix_blocks=4, num_running=5), replica(1, num_running=0)]
+    assert policy.choose(request(160), replicas, rng) == 0
+    # 2 of 10 (0.2 <= 0.3): the replica with the smallest cache wins.
+    replicas = [
+        replica(0, cached_prefix_blocks=2, kv_blocks_used=50),
+        replica(1, kv_blocks_used=10),
+    ]
+    assert policy.choose(request(160), replicas, rng) == 1
+
+
+def test_cache_aware_balances_when_imbalanced_both_ways():
+    policy = CacheAware()
+    rng = random.Random(0)
+    # diff 70 > 64 and 80 > 10 * 1.5: imbalanced, shortest queue wins over the cache.
+    replicas = [replica(0, cached_prefix_blocks=10, num_running=80), replica(1, num_running=10)]
+    assert policy.choose(request(160), replicas, rng) == 1
+    # diff 60 <= 64: balanced, the cache wins.
+    replicas = [replica(0, cached_prefix_blocks=10, num_running=70), replica(1, num_running=10)]
+    assert policy.choose(request(160), replicas, rng) == 0
+    # the relative test alone: diff 100 > 64 but 1000 < 950 * 1.5, still balanced.
+    replicas = [replica(0, cached_prefix_blocks=10, num_running=1000), replica(1, num_running=950)]
+    assert policy.choose(request(160), replicas, rng) == 0
+
+
+def test_dynamo_cost_trades_cache_credit_against_active_blocks():
+    policy = DynamoCost()
+    r0 = replica(0, cached_prefix_blocks=8, kv_blocks_used=20)
+    r1 = replica(1, kv_blocks_used=12)
+    # r0: prefill (160 - 128) / 16 = 2, decode 20 + 10 -> 32; r1: 10 + 12 + 10 = 32 -> tie
+    assert policy.cost(request(160), r0) == 32 == policy.cost(request(160), r1)
+    r1 = replica(1, kv_blocks_used=11)
+    assert policy.choose(request(160), [r0, r1], random.Random(0)) == 1
+    # weight 2 doubles the cache credit: r0 = 4 + 30 = 34 vs r1 = 20 + 21 = 41
+    heavy = DynamoCost(overlap_score_weight=2.0)
+    assert heavy.choose(request(160), [r0, r1], random.Random(0)) == 0
+
+
+def test_dynamo_temperature_samples_but_favours_low_cost():
+    policy = DynamoCost(temperature=1.0)
+    replicas = [replica(0, kv_blocks_used=0), replica(1, kv_blocks_used=3)]
+    picks = Counter(policy.choose(request(), replicas, random.Random(s)) for s in range(300))
+    assert picks[0] > picks[1] > 0
+
+
+def test_session_affinity_is_sticky_and_moves_only_the_dead_replicas_sessions():
+    policy = SessionAffinity()
+    rng = random.Random(0)
+    replicas = idle(4)
+    homes = {k: policy.choose(request(session_key=k), replicas, rng) for k in map(str, range(200))}
+    assert len(set(homes.values())) == 4
+    again = {k: policy.choose(request(session_key=k), replicas, rng) for k in homes}
+    assert again == homes
+    replicas[2] = replica(2, healthy=False)
+    moved = {k: policy.choose(request(session_key=k), replicas, rng) for k in homes}
+    assert all(moved[k] == homes[k] for k in homes if homes[k] != 2)
+    assert all(moved[k] != 2 for k in homes)
+
+
+def test_once_policy_weighs_cache_against_queue_at_each_speed():
+    policy = PredictedTTFT()
+    rng = random.Random(0)
+    # r0 holds 9 of 10 blocks but has 1000 tokens queued; r1 is idle and cold.
+    r0 = replica(0, cached_prefix_blocks=9, num_queued_prefill_tokens=1000)
+    r1 = replica(1)
+    assert policy.predicted_ttft_s(request(160), r0) == pytest.approx(1.016)
+    assert policy.predicted_ttft_s(request(160), r1) == pytest.approx(0.16)
+    assert policy.choose(request(160), [r0, r1], rng) == 1
+    # A half-speed replica looks twice as far away.
+    slow = replica(0, prefill_tokens_per_s=500.0)
+    fast = replica(1, num_queued_prefill_tokens=100)
+    assert policy.choose(request(160), [slow, fast], rng) == 1
+
+
+def test_once_policy_keeps_a_session_home_unless_clearly_slower():
+    policy = PredictedTTFT(affinity_margin=0.25)
+    rng = random.Random(0)
+    home = policy.choose(request(160, session_key="s"), idle(2), rng)
+    other = 1 - home
+    # The other replica is 20% faster: within the margin, the session stays home.
+    replicas = [replica(home, num_queued_prefill_tokens=40), replica(other)]
+    replicas.sort(key=lambda r: r.index)
+    assert policy.choose(request(160, session_key="s"), replicas, rng) == home
+    # Now 50% faster: the session moves, and its new home sticks.
+    replicas = [replica(home, num_queued_prefill_tokens=160), replica(other)]
+    replicas.sort(key=lambda r: r.index)
+    assert policy.choose(request(160, session_key="s"), replicas, rng) == other
+    assert policy.choose(request(160, session_key="s"), idle(2), rng) == other
