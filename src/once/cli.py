@@ -241,6 +241,7 @@ def main(argv=None) -> int:
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)", add_help=False)
     sub.add_parser("sim", help="the cluster simulator on production traces", add_help=False)
     sub.add_parser("router", help="the cache-aware router over engine replicas", add_help=False)
+    sub.add_parser("replay", help="replay recorded agent sessions: the ledger", add_help=False)
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument("target", choices=["engine", "gateway", "agent"])
@@ -248,6 +249,10 @@ def main(argv=None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)
+    if args.command == "replay":
+        from once.bench.replay.cli import main as replay_main
+
+        return replay_main(rest)
     if args.command == "router":
         from once.router.serve import main as router_main
 

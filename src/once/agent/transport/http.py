@@ -73,14 +73,17 @@ async def stream_over_http(client: AsyncOpenAI, request: dict, on_event) -> dict
         raise TransportError(e.message, code, 0, from_server=True) from e
     except openai.APIConnectionError as e:
         raise TransportError(f"HTTP failed: {e}", None, 0) from e
-    async for event in stream:
-        events += 1
-        data = event.model_dump(mode="json", exclude_none=True)
-        if on_event is not None:
-            on_event(data)
-        if data["type"] in TERMINAL_EVENTS:
-            return data["response"]
-        if data["type"] == "error":
-            message = data.get("message", "error")
-            raise TransportError(message, data.get("code"), events, from_server=True)
+    try:
+        async for event in stream:
+            events += 1
+            data = event.model_dump(mode="json", exclude_none=True)
+            if on_event is not None:
+                on_event(data)
+            if data["type"] in TERMINAL_EVENTS:
+                return data["response"]
+            if data["type"] == "error":
+                message = data.get("message", "error")
+                raise TransportError(message, data.get("code"), events, from_server=True)
+    finally:
+        await stream.close()  # release the connection even when returning mid-iteration
     raise TransportError("the stream ended before the response did", "stream_ended", events)

@@ -1,0 +1,1 @@
+"""`once replay`: recorded agent sessions through the real stack, and the paid-twice ledger."""

@@ -1,0 +1,75 @@
+"""An `EngineClient` wrapper that forces the recorded outputs and records what ran.
+
+The gateway does not carry forced outputs from the API, so the replay puts this wrapper
+between the gateway and the engine: every request carries the session's
+`prompt_cache_key` (the gateway passes it as `session_key`), and the wrapper attaches the
+next recorded output of that session, in call order. It also keeps, per request, the
+prompt the engine received and the engine's own accounting (`RequestMetrics`), which is
+what the ledger's inference layer is built from.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+
+from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics, TokenDelta
+from once.protocol.errors import InvalidRequestError
+
+
+@dataclass
+class EngineRecord:
+    session_key: str
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    num_forced: int
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    finish_reason: str | None = None
+    first_token_s: float | None = None  # wall time from dispatch to the first delta
+
+
+class ForcedOutputEngine:
+    def __init__(self, inner: EngineClient):
+        self.inner = inner
+        self._outputs: dict[str, deque[tuple[int, ...]]] = {}
+        self.records: list[EngineRecord] = []
+
+    def expect(self, session_key: str, outputs: Sequence[Sequence[int]]) -> None:
+        """The outputs to force for a session's calls, in the order they will arrive."""
+        self._outputs[session_key] = deque(tuple(ids) for ids in outputs)
+
+    def remaining(self, session_key: str) -> int:
+        return len(self._outputs.get(session_key, ()))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        queue = self._outputs.get(request.session_key or "")
+        if not queue:
+            raise InvalidRequestError(
+                f"no recorded output left for session {request.session_key!r}",
+                param="prompt_cache_key",
+            )
+        forced = queue.popleft()
+        record = EngineRecord(
+            request.session_key, request.request_id, request.prompt_token_ids, len(forced)
+        )
+        self.records.append(record)
+        started = time.perf_counter()
+        forced_request = replace(request, forced_output_ids=forced)
+        async for delta in self.inner.generate(forced_request):
+            if record.first_token_s is None and delta.token_ids:
+                record.first_token_s = time.perf_counter() - started
+            if delta.num_cached_tokens is not None:
+                record.num_cached_tokens = delta.num_cached_tokens
+            if delta.finished:
+                record.finish_reason = delta.finish_reason
+                record.metrics = delta.metrics
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self.inner.abort(request_id)
+
+    async def stats(self) -> dict:
+        return await self.inner.stats()

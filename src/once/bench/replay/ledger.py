@@ -1,0 +1,167 @@
+"""The paid-twice ledger: per layer, the work done vs the work that was new.
+
+Every prompt token the engine computed is attributed to exactly one cause, so the causes
+add up to the engine's own `num_computed_prompt_tokens`:
+
+    first_call         the session's first request: nothing could be cached yet
+    new_content        what this call appended past its chain's previous request+output
+    prefix_changed:X   what the client re-sent changed (the cache doctor's cause X:
+                       role_switch, history_edited, ...): new to any per-session cache
+    block_boundary     ideal-cacheable tokens the engine computes because it caches whole
+                       blocks only, always computes the last prompt token, and never
+                       computes the KV of an output's last token
+    no_prefix_cache    ideal-cacheable tokens of a stack without prefix cache (naive)
+    evicted            ideal-cacheable tokens missed after the engine evicted blocks
+    routed_elsewhere   (several replicas; 0 with one)
+    preempted          recomputed after a preemption
+    unattributed       ideal-cacheable tokens missed for no reason above: a bug to find
+
+"Ideal-cacheable" is the reference (`reference.py`): the longest common prefix with any
+earlier request or request+output of the session. A cache shared across sessions can
+serve more than that (the same system prompt); such tokens are simply not computed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+
+FIRST_CALL = "first_call"
+NEW_CONTENT = "new_content"
+PREFIX_CHANGED = "prefix_changed"
+BLOCK_BOUNDARY = "block_boundary"
+NO_PREFIX_CACHE = "no_prefix_cache"
+EVICTED = "evicted"
+ROUTED_ELSEWHERE = "routed_elsewhere"
+PREEMPTED = "preempted"
+UNATTRIBUTED = "unattributed"
+
+
+def attribute_call(record: dict, *, block_size: int, prefix_caching: bool, session_evictions: int):
+    """Split one call's computed prompt tokens into causes (a Counter summing to them)."""
+    causes: Counter[str] = Counter()
+    prompt, cached = record["prompt_tokens"], record["cached_tokens"]
+    computed_fresh = prompt - cached
+    recomputed = record["computed_tokens"] - computed_fresh
+    if recomputed > 0:
+        causes[PREEMPTED] += recomputed
+    if record["index"] == 0 and record["ideal_cached"] == 0:
+        causes[FIRST_CALL] += computed_fresh
+        return causes
+    ideal_cached = min(record["ideal_cached"], prompt)
+    ideal_new = prompt - ideal_cached
+    changed = 0
+    if record["break_cause"] is not None:
+        changed = max(0, min(prompt, record["previous_length"]) - ideal_cached)
+    # A cache shared across sessions may serve some of the "new" tokens: count only what
+    # was computed, changed tokens last (they sit before the appended ones).
+    new_computed = min(computed_fresh, ideal_new)
+    changed_computed = min(changed, new_computed)
+    if changed_computed:
+        causes[f"{PREFIX_CHANGED}:{record['break_cause']}"] += changed_computed
+    if new_computed - changed_computed:
+        causes[NEW_CONTENT] += new_computed - changed_computed
+    missed = computed_fresh - new_computed  # ideal-cacheable, yet computed
+    if missed <= 0:
+        return causes
+    if not prefix_caching:
+        causes[NO_PREFIX_CACHE] += missed
+        return causes
+    # Whole blocks only; the last prompt token is always computed; and the previous
+    # output's last token never went through the model, so it has no KV to reuse.
+    effective = min(ideal_cached, prompt - 1)
+    if 0 < record["previous_length"] <= ideal_cached:
+        effective = min(effective, record["previous_length"] - 1)
+    reachable = effective // block_size * block_size
+    structural = min(missed, ideal_cached - reachable)
+    if structural:
+        causes[BLOCK_BOUNDARY] += structural
+    missed -= structural
+    if missed:
+        causes[EVICTED if session_evictions > 0 else UNATTRIBUTED] += missed
+    return causes
+
+
+def session_ledger(records: list[dict], *, block_size: int, prefix_caching: bool) -> dict:
+    """One stack's ledger for one session (records in call order)."""
+    causes: Counter[str] = Counter()
+    first_evictions = records[0]["evictions_before"] if records else 0
+    for record in records:
+        causes.update(
+            attribute_call(
+                record,
+                block_size=block_size,
+                prefix_caching=prefix_caching,
+                session_evictions=record["evictions_before"] - first_evictions,
+            )
+        )
+    totals = _sum(records)
+    totals["miss_causes"] = dict(sorted(causes.items()))
+    return totals
+
+
+def _sum(records: Iterable[dict]) -> dict:
+    records = list(records)
+    keys = (
+        "bytes_sent",
+        "bytes_received",
+        "bytes_new",
+        "tokens_tokenized",
+        "prompt_tokens",
+        "cached_tokens",
+        "computed_tokens",
+        "output_tokens",
+        "ideal_cached",
+    )
+    totals = {key: int(sum(r[key] for r in records)) for key in keys}
+    totals["tokens_new"] = totals["prompt_tokens"] - totals["ideal_cached"]
+    totals["calls"] = len(records)
+    totals["incremental_calls"] = sum(1 for r in records if r["incremental"])
+    totals["prefix_breaks"] = sum(1 for r in records if r["break_cause"] is not None)
+    totals["prompts_not_canonical"] = sum(1 for r in records if not r["prompt_matches_plan"])
+    totals["outputs_not_as_recorded"] = sum(1 for r in records if not r["output_matches_recording"])
+    totals["wall_s"] = round(sum(r["wall_s"] for r in records), 3)
+    totals["ttft_p50_s"] = _percentile([r["ttft_s"] for r in records], 50)
+    totals["ttft_p95_s"] = _percentile([r["ttft_s"] for r in records], 95)
+    return totals
+
+
+def merge(ledgers: Iterable[dict], records: Iterable[dict]) -> dict:
+    """Totals over several session ledgers; percentiles from the calls themselves."""
+    ledgers, records = list(ledgers), list(records)
+    merged = _sum(records)
+    causes: Counter[str] = Counter()
+    for ledger in ledgers:
+        causes.update(ledger["miss_causes"])
+    merged["miss_causes"] = dict(sorted(causes.items()))
+    merged["sessions"] = len(ledgers)
+    return merged
+
+
+def compare(once: dict, naive: dict) -> dict:
+    """The headline ratios of one group of sessions (a source folder, or all)."""
+    prompt = naive["prompt_tokens"]
+    return {
+        "computed_ratio": _ratio(once["computed_tokens"], naive["computed_tokens"]),
+        "ideal_ratio": _ratio(naive["tokens_new"], prompt),
+        "bytes_ratio": _ratio(once["bytes_received"], naive["bytes_received"]),
+        "tokenized_ratio": _ratio(once["tokens_tokenized"], naive["tokens_tokenized"]),
+        "wall_ratio": _ratio(once["wall_s"], naive["wall_s"]),
+    }
+
+
+def by_group(rows: list[dict], key) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        groups[key(row)].append(row)
+    return dict(groups)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if values else None

@@ -1,0 +1,211 @@
+"""Drive one planned session through one stack, call by call, as its agent did.
+
+Request k is the recorded request. When it continues its chain's previous call (the
+incremental rule holds on the recording), the recorded output items in it are replaced
+by the items the server returned for that call, and recorded tool-call ids by the
+server's: that is what a harness appends, so the chain stays exact and the transport can
+send it incrementally. Where the recording broke the prefix (CodeR role switches, LM-32B
+elision) the request goes as recorded and the caches miss, as they did.
+
+Per call it records each layer's work: bytes on the wire and the bytes that were new,
+tokens tokenized (gateway counter deltas), the engine's own accounting for the request
+(through `ForcedOutputEngine`), the cache doctor's verdict, TTFT and wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from once.agent.doctor import CacheDoctor
+from once.agent.transport.http import payload_bytes
+from once.agent.transport.rule import full_request_reason, non_input_fields
+from once.bench.replay.plan import SessionPlan
+from once.bench.replay.stacks import Stack
+from once.protocol.responses import canonical_json
+
+STARTING_EVENTS = ("response.created", "response.in_progress")
+
+
+@dataclass
+class CallRecord:
+    stack: str
+    session_id: str
+    source: str
+    index: int
+    bytes_sent: int  # what the client put on the wire (JSON, uncompressed)
+    bytes_received: int  # what the gateway counted (its received_bytes counter)
+    bytes_new: int  # the request's items past what its chain already held
+    incremental: bool
+    break_cause: str | None  # the cache doctor's cause when the prefix broke
+    tokens_tokenized: int  # gateway: ids produced by tokenization for this call
+    prompt_tokens: int  # engine: prompt it received
+    cached_tokens: int  # engine: served from its prefix cache
+    computed_tokens: int  # engine: prefilled (with recompute after preemption)
+    output_tokens: int
+    prompt_matches_plan: bool  # the engine got the canonical (full render) prompt ids
+    output_matches_recording: bool  # the server's output items say what was recorded
+    ideal_cached: int
+    previous_shared: int
+    previous_length: int
+    evictions_before: int  # engine evictions counted before this call
+    ttft_s: float  # client: send -> first output event
+    engine_ttft_s: float
+    wall_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+async def replay_session(stack: Stack, plan: SessionPlan, key: str | None = None) -> list[dict]:
+    key = key or f"replay/{stack.spec.name}/{plan.session_id}"
+    stack.forced.expect(key, [call.forced_ids for call in plan.calls])
+    transport = stack.transport()
+    doctor = CacheDoctor()
+    metrics = stack.gateway.metrics
+    sent: dict[int, dict] = {}  # call index -> the full request as sent
+    returned: dict[int, list[dict]] = {}  # call index -> output items the server returned
+    id_map: dict[str, str] = {}  # recorded tool-call id -> the server's
+    matches: dict[int, bool] = {}
+    records = []
+    try:
+        for position, (call, reference) in enumerate(zip(plan.calls, plan.reference, strict=True)):
+            previous = call.previous_in_chain
+            request = _request_to_send(plan, position, sent, returned, matches, id_map)
+            request["prompt_cache_key"] = key
+            bytes_new = _new_bytes(
+                request,
+                sent.get(previous) if previous is not None else None,
+                returned.get(previous) if previous is not None else None,
+            )
+            doctor_break = doctor.observe(request)
+            before_bytes = transport.stats.bytes_sent
+            before_incremental = transport.stats.incremental_calls
+            before_tokenized = metrics.value(metrics.tokenized_tokens)
+            before_received = _received_bytes(metrics)
+            evictions_before = (await stack.engine.stats())["num_kv_evictions"]
+            first_event: list[float] = []
+            started = time.perf_counter()
+
+            def on_event(event, first_event=first_event, started=started):
+                if not first_event and event.get("type") not in STARTING_EVENTS:
+                    first_event.append(time.perf_counter() - started)
+
+            response = await transport.create(request, on_event)
+            wall_s = time.perf_counter() - started
+            output = response.get("output") or []
+            doctor.record_output(output)
+            sent[position], returned[position] = request, output
+            matches[position] = _same_meaning(call.output_items, output)
+            if matches[position]:
+                id_map.update(_call_id_pairs(call.output_items, output))
+            engine = stack.forced.records[-1]
+            engine_metrics = engine.metrics
+            records.append(
+                CallRecord(
+                    stack=stack.spec.name,
+                    session_id=plan.session_id,
+                    source=plan.session.source,
+                    index=call.index,
+                    bytes_sent=transport.stats.bytes_sent - before_bytes,
+                    bytes_received=int(_received_bytes(metrics) - before_received),
+                    bytes_new=bytes_new,
+                    incremental=transport.stats.incremental_calls > before_incremental,
+                    break_cause=None if doctor_break is None else doctor_break.cause,
+                    tokens_tokenized=int(
+                        metrics.value(metrics.tokenized_tokens) - before_tokenized
+                    ),
+                    prompt_tokens=len(engine.prompt_ids),
+                    cached_tokens=engine_metrics.num_cached_tokens,
+                    computed_tokens=engine_metrics.num_computed_tokens,
+                    output_tokens=engine_metrics.num_output_tokens,
+                    prompt_matches_plan=list(engine.prompt_ids) == call.prompt_ids,
+                    output_matches_recording=matches[position],
+                    ideal_cached=reference.num_ideal_cached,
+                    previous_shared=reference.num_previous_shared,
+                    previous_length=reference.previous_length,
+                    evictions_before=evictions_before,
+                    ttft_s=first_event[0] if first_event else wall_s,
+                    engine_ttft_s=engine_metrics.ttft_s,
+                    wall_s=wall_s,
+                ).to_dict()
+            )
+    finally:
+        await transport.close()
+    return records
+
+
+def _request_to_send(plan, position, sent, returned, matches, id_map) -> dict:
+    call = plan.calls[position]
+    recorded = call.request
+    previous = call.previous_in_chain
+    if previous is None or not matches.get(previous):
+        return dict(recorded)
+    before = plan.calls[previous]
+    if full_request_reason(before.request, before.output_items, recorded) is not None:
+        return dict(recorded)  # the recording broke the prefix: replay it as it was
+    num_kept = len(before.request["input"]) + len(before.output_items)
+    new_items = [_with_call_ids(item, id_map) for item in recorded["input"][num_kept:]]
+    request = dict(recorded)
+    request["input"] = [*sent[previous]["input"], *returned[previous], *new_items]
+    return request
+
+
+def _with_call_ids(item: dict, id_map: dict[str, str]) -> dict:
+    call_id = item.get("call_id")
+    if call_id in id_map:
+        return {**item, "call_id": id_map[call_id]}
+    return item
+
+
+def _call_id_pairs(recorded: list[dict], returned: list[dict]) -> dict[str, str]:
+    calls_recorded = [i for i in recorded if i.get("type") == "function_call"]
+    calls_returned = [i for i in returned if i.get("type") == "function_call"]
+    return {
+        a["call_id"]: b["call_id"] for a, b in zip(calls_recorded, calls_returned, strict=False)
+    }
+
+
+def _same_meaning(recorded: list[dict], returned: list[dict]) -> bool:
+    """The server said what was recorded: same texts, same calls with equal arguments."""
+    return _meaning(recorded) == _meaning(returned)
+
+
+def _meaning(items: list[dict]) -> list:
+    meaning = []
+    for item in items:
+        if item.get("type") == "message":
+            text = "".join(part.get("text", "") for part in item.get("content") or [])
+            if text:
+                meaning.append(("text", text))
+        elif item.get("type") == "function_call":
+            try:
+                arguments = json.loads(item.get("arguments") or "{}")
+            except ValueError:
+                arguments = item.get("arguments")
+            meaning.append(("call", item.get("name"), canonical_json(arguments)))
+    return meaning
+
+
+def _new_bytes(request: dict, previous: dict | None, previous_output: list | None) -> int:
+    """Bytes of the items past the longest item prefix the chain already held."""
+    if previous is None:
+        return payload_bytes(request)
+    held = [*previous["input"], *(previous_output or [])]
+    items = request["input"]
+    kept = 0
+    for old, new in zip(held, items, strict=False):
+        if old is not new and canonical_json(old) != canonical_json(new):
+            break
+        kept += 1
+    size = payload_bytes({"input": items[kept:]})
+    if canonical_json(non_input_fields(previous)) != canonical_json(non_input_fields(request)):
+        size += payload_bytes(non_input_fields(request))
+    return size
+
+
+def _received_bytes(metrics) -> float:
+    return metrics.value(metrics.received_bytes, "http") + metrics.value(
+        metrics.received_bytes, "websocket"
+    )

@@ -1,0 +1,150 @@
+"""The two stacks a replay compares, each the real harness transport, gateway and engine.
+
+- `once`: WebSocket mode (`{previous_response_id, new items}` when the rule allows), the
+  gateway's incremental tokenization (it follows from WebSocket continuations), the
+  engine's prefix cache.
+- `naive`: stateless HTTP with the full history every call, so the gateway renders and
+  tokenizes everything, and an engine without prefix cache.
+
+Both serve the same model: by default a tiny random-weight Llama with SmolLM2's tokenizer
+and vocabulary (compute is real but cheap), or SmolLM2 itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+from once.bench.replay.forced import ForcedOutputEngine
+from once.gateway.config import GatewayConfig
+
+TOKENIZER_MODEL = "smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+TINY = "tiny"
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    name: str
+    websocket: bool  # else stateless HTTP, full requests
+    prefix_caching: bool
+
+
+ONCE = StackSpec("once", websocket=True, prefix_caching=True)
+NAIVE = StackSpec("naive", websocket=False, prefix_caching=False)
+
+
+def make_tiny_replay_model(folder: Path, max_model_len: int) -> Path:
+    """A tiny random Llama that reads SmolLM2's ids: its vocabulary and tokenizer files."""
+    from once.engine.loader import resolve_model_path
+    from once.engine.testing import make_tiny_model
+
+    make_tiny_model(folder, vocab_size=49152, max_position_embeddings=max_model_len)
+    source = Path(resolve_model_path(TOKENIZER_MODEL))
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
+def load_served_runtime(model_folder: Path, max_model_len: int):
+    from once.gateway.model import ModelRuntime
+
+    # Requests name the model as the recorded payloads do; the folder decides what runs.
+    return ModelRuntime.load(TOKENIZER_MODEL, model_folder, max_model_len=max_model_len)
+
+
+@dataclass
+class Stack:
+    spec: StackSpec
+    engine: object  # the AsyncEngine
+    forced: ForcedOutputEngine
+    gateway: object  # once.gateway.app.Gateway
+    client: openai.AsyncOpenAI
+
+    def transport(self):
+        from once.agent.transport.http import HttpTransport
+        from once.agent.transport.websocket import WebSocketTransport
+
+        if self.spec.websocket:
+            # No HTTP fallback: a silent fallback would hide a broken WebSocket path.
+            return WebSocketTransport(self.client, http_fallback=False)
+        return HttpTransport(self.client)
+
+    async def counters(self) -> dict:
+        """The engine's and the gateway's own counters, for reconciliation."""
+        metrics = self.gateway.metrics
+        value = metrics.value
+        engine = await self.engine.stats()
+        return {
+            "engine": {
+                key: engine[key]
+                for key in (
+                    "num_prompt_tokens",
+                    "num_cached_prompt_tokens",
+                    "num_computed_prompt_tokens",
+                    "num_recomputed_tokens",
+                    "num_generated_tokens",
+                    "num_kv_evictions",
+                    "num_requests_finished",
+                )
+            },
+            "gateway": {
+                "prompt_tokens": value(metrics.prompt_tokens),
+                "tokenized_tokens": value(metrics.tokenized_tokens),
+                "cached_tokens": value(metrics.cached_tokens),
+                "output_tokens": value(metrics.output_tokens),
+                "received_bytes_http": value(metrics.received_bytes, "http"),
+                "received_bytes_websocket": value(metrics.received_bytes, "websocket"),
+                "full_renders": value(metrics.renders, "full"),
+                "incremental_renders": value(metrics.renders, "incremental"),
+                "verifications": value(metrics.verifications),
+                "divergences": value(metrics.divergences),
+            },
+        }
+
+
+@contextlib.asynccontextmanager
+async def open_stack(
+    spec: StackSpec,
+    runtime,
+    model_folder: Path,
+    *,
+    max_model_len: int,
+    kv_cache_gib: float = 0.25,
+    num_kv_blocks: int = 0,
+    verify_every: int = 32,
+) -> AsyncIterator[Stack]:
+    from once.engine.async_engine import AsyncEngine
+    from once.engine.config import EngineConfig
+    from once.engine.core import LLMEngine
+    from once.gateway.testing import serve_gateway
+
+    config = EngineConfig(
+        model=str(model_folder),
+        enable_prefix_caching=spec.prefix_caching,
+        kv_cache_gib=kv_cache_gib,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=max_model_len,
+    )
+    engine = AsyncEngine(LLMEngine(config))
+    forced = ForcedOutputEngine(engine)
+    gateway_config = GatewayConfig(
+        store="memory", verify_every=verify_every, max_body_bytes=256 * 1024 * 1024
+    )
+    try:
+        async with serve_gateway(runtime, forced, gateway_config) as (url, gateway):
+            client = openai.AsyncOpenAI(
+                base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
+            )
+            try:
+                yield Stack(spec, engine, forced, gateway, client)
+            finally:
+                await client.close()
+    finally:
+        await engine.close()
