@@ -15,6 +15,7 @@ import math
 import sys
 
 from once.sim.compare import DEFAULT_POLICIES, Scenario, compare_policies
+from once.sim.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from once.sim.profiles import DEFAULT_PROFILE, load_profiles
 from once.sim.workload import load_agent_sessions, load_mooncake
 
@@ -42,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", default=DEFAULT_PROFILE)
     parser.add_argument("--kv-blocks", type=int, help="override the profile's KV blocks")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
+    parser.add_argument(
+        "--eviction",
+        choices=EVICTION_POLICIES,
+        default=DEFAULT_EVICTION,
+        help="KV eviction on every replica (belady sees the future: a reference bound only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> dict:
         requests = load_agent_sessions(
             args.trace_path, limit=args.limit, block_size=profile.block_size
         )
-    scenario = Scenario(profile, args.replicas, args.load, args.seed)
+    scenario = Scenario(profile, args.replicas, args.load, args.seed, args.eviction)
     report = compare_policies(requests, scenario, args.policies)
     report["trace"] = args.trace
     return report
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> dict:
 def format_report(report: dict) -> str:
     lines = [
         f"{report['trace']} on {report['num_replicas']} x {report['profile']} "
-        f"({report['kv_blocks_per_replica']} KV blocks of {report['block_size']}), "
+        f"({report['kv_blocks_per_replica']} KV blocks of {report['block_size']}, "
+        f"{report['eviction']} eviction), "
         f"offered load {report['offered_load']:.2f}, SLO TTFT <= {report['ttft_slo_s']} s "
         f"and TPOT <= {report['tpot_slo_s'] * 1000:.0f} ms; unlimited-cache hit bound "
         f"{report['hit_ratio_bound']:.3f}",

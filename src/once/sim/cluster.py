@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from once.router.policies import Policy, ReplicaView, RequestView
+from once.sim.eviction import eviction_factory
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica
 from once.sim.workload import SimRequest
@@ -48,11 +49,14 @@ class Cluster:
         seed: int = 0,
         kv_blocks: int | None = None,
         span_decodes: bool = True,
+        eviction: str = "lru",  # the engines' own LRU; `once sim` defaults to DEFAULT_EVICTION
     ):
         if not profiles:
             raise ValueError("a cluster needs at least one replica")
+        make_eviction = eviction_factory(eviction, seed)
         self.replicas = [
-            SimReplica(i, p, kv_blocks, span_decodes=span_decodes) for i, p in enumerate(profiles)
+            SimReplica(i, p, kv_blocks, span_decodes=span_decodes, eviction=make_eviction())
+            for i, p in enumerate(profiles)
         ]
         self.policy = policy
         self.rng = random.Random(seed)
@@ -65,6 +69,8 @@ class Cluster:
         missing = [r.after for r in requests if r.after is not None and r.after not in ids]
         if missing:
             raise ValueError(f"requests follow unknown request ids, e.g. {missing[0]!r}")
+        for replica in self.replicas:
+            replica.cache.policy.prepare(requests)  # only an oracle (Belady) looks
         for request in requests:
             if request.after is None:
                 self._push(request.arrival_s, _ARRIVAL, request)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from once.router.policies import POLICIES, make_policy
 from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
 from once.sim.cluster import Cluster
+from once.sim.eviction import DEFAULT_EVICTION
 from once.sim.metrics import summarize
 from once.sim.profiles import ReplicaProfile
 from once.sim.workload import SimRequest, scale_arrivals
@@ -23,12 +24,16 @@ class Scenario:
     num_replicas: int = 8
     load: float = 0.8
     seed: int = 0
+    eviction: str = DEFAULT_EVICTION
 
 
 def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: str) -> dict:
     profile = scenario.profile
     cluster = Cluster(
-        [profile] * scenario.num_replicas, make_policy(policy_name), seed=scenario.seed
+        [profile] * scenario.num_replicas,
+        make_policy(policy_name),
+        seed=scenario.seed,
+        eviction=scenario.eviction,
     )
     result = cluster.run(requests)
     row = summarize(result, requests, ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s)
@@ -52,6 +57,7 @@ def compare_policies(
         "offered_load": scenario.load,
         "arrival_scale": scale,
         "kv_blocks_per_replica": scenario.profile.kv_blocks,
+        "eviction": scenario.eviction,
         "block_size": scenario.profile.block_size,
         "ttft_slo_s": scenario.profile.ttft_slo_s,
         "tpot_slo_s": scenario.profile.tpot_slo_s,

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from once.sim.kvcache import BlockCache
+from once.sim.kvcache import BlockCache, EvictionPolicy
 from once.sim.profiles import ReplicaProfile
 from once.sim.workload import SimRequest
 
@@ -71,12 +71,13 @@ class SimReplica:
         kv_blocks: int | None = None,
         *,
         span_decodes: bool = True,  # False: one event per step (the reference, for tests)
+        eviction: EvictionPolicy | None = None,  # None: LRU
     ):
         self.index = index
         self.span_decodes = span_decodes
         self.name = f"replica-{index}"
         self.profile = profile
-        self.cache = BlockCache(kv_blocks or profile.kv_blocks)
+        self.cache = BlockCache(kv_blocks or profile.kv_blocks, eviction)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.plan: StepPlan | None = None
@@ -130,7 +131,7 @@ class SimReplica:
                 budget -= prefills[-1][1]
         while self.waiting and budget > 0 and len(self.running) < profile.max_num_seqs:
             state = self.waiting[0]
-            if not self._admit(state):
+            if not self._admit(state, now):
                 break  # FCFS: the head waits for space, nothing overtakes it
             self.waiting.popleft()
             self.running.append(state)
@@ -183,24 +184,24 @@ class SimReplica:
             state.num_computed += chunk
             self.num_prefilled_tokens += chunk
             if state.num_computed == state.request.num_prompt_tokens:
-                self.cache.publish(state.request.block_hashes, state.held)
+                self.cache.publish(state.request.block_hashes, state.held, now)
                 state.num_generated = 1
                 state.first_token_s = now
                 if state.request.num_output_tokens <= 1:
                     finished.append(state)
         for state in finished:
             state.finish_s = now
-            self.cache.release(state.held, state.num_blocks)
+            self.cache.release(state.held, state.num_blocks, now)
             self.running.remove(state)
         return finished
 
-    def _admit(self, state: RequestState) -> bool:
+    def _admit(self, state: RequestState, now: float) -> bool:
         request = state.request
         hashes = request.block_hashes
         num_matched = self.cache.match_prefix(hashes)
         if not self.cache.can_admit(hashes, num_matched, state.num_blocks):
             return False
-        state.held = self.cache.admit(hashes, num_matched, state.num_blocks)
+        state.held = self.cache.admit(hashes, num_matched, state.num_blocks, now)
         # At least one prompt token is always computed, to produce the first token.
         block_size = self.profile.block_size
         state.num_cached_tokens = min(num_matched * block_size, request.num_prompt_tokens - 1)
