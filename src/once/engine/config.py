@@ -20,6 +20,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default
     seed: int = 0
+    # Speculative decoding: "" (off), "ngram", "suffix" or "draft" (needs draft_model).
+    speculative_method: str = ""
+    num_speculative_tokens: int = 8  # most draft tokens verified per request per step
+    draft_model: str = ""  # the draft model of method "draft" (same tokenizer as model)
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

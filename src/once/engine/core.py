@@ -17,6 +17,8 @@ from once.engine.request import Request, RequestStatus
 from once.engine.runner import ModelRunner
 from once.engine.sampler import sample
 from once.engine.scheduler import Scheduler
+from once.engine.spec import SpecDecodeStats, make_drafter
+from once.engine.spec.verify import accept_matching, rejection_sample, sampling_probs
 from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
 from once.protocol.errors import (
     ContextLengthExceededError,
@@ -86,6 +88,8 @@ class LLMEngine:
             0,
         )
         self.step_time_s = 0.0
+        self.drafter = make_drafter(config, self.model_config)
+        self.spec = SpecDecodeStats(config.num_speculative_tokens)
 
     # -- admission -----------------------------------------------------------------------
 
@@ -144,6 +148,8 @@ class LLMEngine:
 
     def step(self) -> list[TokenDelta]:
         deltas, self._pending = self._pending, []
+        if self.drafter is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         if not out.scheduled:
             return deltas
@@ -155,7 +161,7 @@ class LLMEngine:
             for item in out.scheduled:
                 self._finish(item.request, FINISH_ERROR, error=error.to_dict())
             return deltas + self._take_pending()
-        token_ids = sample(logits, [s.request for s in sampled], self.generator)
+        committed = self._select_tokens(logits, [s.request for s in sampled])
         if self.kv.has_connector:
             self._save_new_blocks()
 
@@ -173,15 +179,25 @@ class LLMEngine:
                 )
             request.num_computed_tokens = end
 
-        for item, token in zip(sampled, token_ids, strict=True):
+        for item, token_ids in zip(sampled, committed, strict=True):
             request = item.request
-            request.append_output(token)
-            self.counters["num_generated_tokens"] += 1
-            reason = request.check_stop()
-            delta = TokenDelta(request.request_id, [token])
+            was_decoding = bool(request.output_token_ids)
+            emitted, reason = [], None
+            for token in token_ids:
+                request.append_output(token)
+                emitted.append(token)
+                reason = request.check_stop()
+                if reason is not None:
+                    break
+            self.counters["num_generated_tokens"] += len(emitted)
+            if was_decoding:
+                self.spec.record_decode(len(emitted))
+            if request.draft_token_ids:
+                self._settle_verification(request, len(token_ids) - 1)
+            delta = TokenDelta(request.request_id, emitted)
             if request.num_emitted_tokens == 0:
                 delta.num_cached_tokens = request.metrics.num_cached_tokens
-            request.num_emitted_tokens += 1
+            request.num_emitted_tokens += len(emitted)
             if reason is not None:
                 self._finish(request, reason, delta=delta)
             else:
@@ -191,10 +207,73 @@ class LLMEngine:
         self.step_time_s += time.perf_counter() - started
         return deltas + self._take_pending()
 
+    # -- speculative decoding ------------------------------------------------------------
+
+    def _propose_drafts(self) -> None:
+        # Drafters read only committed ids (all_token_ids): never a forced id ahead.
+        requests = [r for r in self.scheduler.running if r.is_decoding and r.num_draft_slots]
+        if not requests:
+            return
+        limit = self.config.num_speculative_tokens
+        max_tokens = [min(limit, r.num_draft_slots) for r in requests]
+        for request, k, draft in zip(
+            requests, max_tokens, self.drafter.propose(requests, max_tokens), strict=True
+        ):
+            request.draft_token_ids = list(draft.token_ids[:k])
+            request.draft_probs = None if draft.probs is None else draft.probs[:k]
+
+    def _select_tokens(self, logits, requests: list[Request]) -> list[list[int]]:
+        """The ids each sampled request commits this step: one sampled id for a plain row,
+        accepted drafts plus one for a verification (its 1 + k rows)."""
+        plain_rows, plain_requests, row = [], [], 0
+        spans: list[tuple[int, int]] = []
+        for request in requests:
+            num_rows = 1 + len(request.draft_token_ids)
+            spans.append((row, num_rows))
+            if num_rows == 1:
+                plain_rows.append(row)
+                plain_requests.append(request)
+            row += num_rows
+        plain = iter(sample(logits[plain_rows], plain_requests, self.generator))
+        committed = []
+        for request, (row, num_rows) in zip(requests, spans, strict=True):
+            if num_rows == 1:
+                committed.append([next(plain)])
+            else:
+                committed.append(self._verify(request, logits[row : row + num_rows]))
+        return committed
+
+    def _verify(self, request: Request, rows) -> list[int]:
+        drafts = request.draft_token_ids
+        forced = request.forced_output_ids
+        if forced is not None:
+            n = len(request.output_token_ids)
+            return accept_matching(drafts, list(forced[n : n + len(drafts) + 1]))
+        if request.sampling.greedy:
+            return accept_matching(drafts, rows.argmax(dim=-1).tolist())
+        probs = sampling_probs(rows, request.sampling)
+        gen = request.generator or self.generator
+        return rejection_sample(probs, drafts, request.draft_probs, gen)
+
+    def _settle_verification(self, request: Request, num_accepted: int) -> None:
+        # K/V is valid up to the last accepted draft; the newest committed id (the
+        # bonus or corrected token) is computed next step. Blocks past that roll back.
+        num_drafts = len(request.draft_token_ids)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.metrics.num_draft_tokens += num_drafts
+        request.metrics.num_accepted_tokens += num_accepted
+        self.spec.record_verification(num_drafts, num_accepted)
+        request.clear_draft()
+        if not request.is_finished:
+            self.kv.trim(request)
+
     def _finish(self, request: Request, reason: str, delta=None, error=None) -> None:
         if request.is_finished:
             return
         self.scheduler.finish(request)
+        request.clear_draft()
+        if self.drafter is not None:
+            self.drafter.on_finished(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
@@ -250,6 +329,7 @@ class LLMEngine:
             "block_size": self.config.block_size,
             "max_model_len": self.max_model_len,
             **self.counters,
+            **self.spec.to_stats(),
         }
 
     def take_kv_events(self):

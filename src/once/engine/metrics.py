@@ -40,6 +40,17 @@ COUNTERS = {
     "step_time_s_total": ("step_time_seconds", "Time spent in engine steps"),
     "num_draft_tokens": ("draft_tokens", "Speculative tokens proposed"),
     "num_accepted_tokens": ("accepted_tokens", "Speculative tokens accepted"),
+    "num_drafts": ("drafts", "Speculative verifications (decodes carrying a draft)"),
+    "num_decode_forwards": ("decode_forwards", "Decode steps of requests, drafted or not"),
+    "num_decode_tokens": ("decode_tokens", "Tokens committed by decode steps"),
+}
+# stats keys holding a list, exported as one counter labelled by position (vLLM's
+# spec_decode_num_accepted_tokens_per_pos).
+POSITION_COUNTERS = {
+    "spec_accepted_tokens_per_position": (
+        "spec_accepted_tokens_per_position",
+        "Speculative tokens accepted at each draft position",
+    ),
 }
 GAUGES = {
     "num_running": ("num_running_requests", "Requests in the running batch"),
@@ -74,11 +85,19 @@ def _metric_name(key: str) -> str:
 class EngineStatsCollector(Collector):
     def __init__(self):
         self._stats: dict[str, float] = {}
+        self._positions: dict[str, list[float]] = {}
 
     def update(self, stats: dict) -> None:
         self._stats = flatten_numeric(stats)
+        self._positions = {k: list(stats[k]) for k in POSITION_COUNTERS if k in stats}
 
     def collect(self) -> Iterator[Metric]:
+        for key, values in self._positions.items():
+            name, help_text = POSITION_COUNTERS[key]
+            family = CounterMetricFamily(PREFIX + name, help_text, labels=["position"])
+            for position, value in enumerate(values):
+                family.add_metric([str(position)], value)
+            yield family
         for key, value in self._stats.items():
             if key in COUNTERS:
                 name, help_text = COUNTERS[key]

@@ -27,6 +27,10 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)  # prompt + outputs, for hashing
         self.block_hashes: list[int] = []  # of full blocks of all_token_ids, grown lazily
         self.num_computed_tokens = 0  # tokens whose K/V is in the cache
+        # Speculative decoding: ids drafted for this step (never part of all_token_ids
+        # until accepted) and, for a sampling drafter, the (k, vocab) probs they came from.
+        self.draft_token_ids: list[int] = []
+        self.draft_probs = None
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_token_ids = set(request.sampling.stop_token_ids)
@@ -56,6 +60,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """All committed tokens but the last have K/V: the next step is a decode."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Most drafts one verification may carry: the bonus token must still fit."""
+        return self.max_output_tokens - len(self.output_token_ids) - 1
+
+    def clear_draft(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     @property
     def is_finished(self) -> bool:

@@ -3,6 +3,14 @@
 Single-token items (decodes, and 1-token prefill tails) go first and run through the
 paged decode kernel together; multi-token chunks follow, one SDPA each. Logits are
 computed only for items that reach the end of their known tokens: those sample a token.
+
+A speculative verification carries 1 + k tokens: the last committed token and the k
+drafted ids after it, run as 1 + k decode rows of growing length over one block table.
+All its rows get logits (row i scores draft i + 1):
+
+    positions   n-1   n    n+1  ...  n+k-1
+    input ids   t     d1   d2   ...  dk
+    logits      p0    p1   p2   ...  pk      (p0 judges d1, ..., pk gives the bonus token)
 """
 
 import torch
@@ -22,9 +30,13 @@ class ModelRunner:
         self.use_kernel = use_kernel
 
     def execute(self, scheduled: list[ScheduledRequest]):
-        """Run one forward. Returns (logits (N, vocab), the N scheduled items sampled)."""
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
-        chunks = [s for s in scheduled if s.num_new_tokens > 1]
+        """Run one forward. Returns (logits (N, vocab), the scheduled items sampled): each
+        sampled item owns 1 + len(its drafts) consecutive rows, in order."""
+        # Verifications join the decodes: each of their rows is a decode of its own
+        # length over the same block table (the kernel reads K/V in place, and every
+        # row's K/V is written before attention runs), cheaper than gathering context.
+        decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.request.draft_token_ids]
+        chunks = [s for s in scheduled if s.num_new_tokens > 1 and not s.request.draft_token_ids]
         ordered = decodes + chunks
         bs = self.block_size
 
@@ -43,12 +55,15 @@ class ModelRunner:
             end = start + item.num_new_tokens
             block_ids = self.kv.block_ids(request.request_id)
             row = len(input_ids)
-            input_ids.extend(request.all_token_ids[start:end])
+            drafts = request.draft_token_ids
+            input_ids.extend(request.all_token_ids[start : end - len(drafts)])
+            input_ids.extend(drafts)
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if item.num_new_tokens == 1:
-                decode_tables.append(block_ids)
-                decode_lens.append(end)
+            if item.num_new_tokens == 1 or drafts:
+                for length in range(start + 1, end + 1):
+                    decode_tables.append(block_ids)
+                    decode_lens.append(length)
             else:
                 context_slots = None
                 if start:
@@ -58,13 +73,14 @@ class ModelRunner:
                         device=self.device,
                     )
                 prefills.append(PrefillChunk(row, item.num_new_tokens, start, context_slots))
-            if end == request.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
+            if end == request.num_tokens + len(drafts):
+                last = len(input_ids) - 1
+                logits_rows.extend(range(last - len(drafts), last + 1))
                 sampled.append(item)
 
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
-            num_decode_tokens=len(decodes),
+            num_decode_tokens=len(decode_lens),
             prefills=prefills,
             use_kernel=self.use_kernel,
         )

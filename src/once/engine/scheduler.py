@@ -1,11 +1,13 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step:
-  1. Running requests first, in arrival order: a decode takes 1 token of the budget, a
-     partial prefill takes the next chunk. If the cache cannot hold a request's new
-     tokens, the newest running request is preempted (its blocks freed, to be recomputed
-     later; cached blocks usually survive and turn the recompute into a prefix hit) until
-     it fits or the request itself was the newest.
+  1. Running requests first, in arrival order: a decode takes 1 token of the budget
+     (1 + k with k drafted tokens to verify; drafts are trimmed to the budget and
+     dropped before anyone is preempted for them), a partial prefill takes the next
+     chunk. If the cache cannot hold a request's new tokens, the newest running request
+     is preempted (its blocks freed, to be recomputed later; cached blocks usually
+     survive and turn the recompute into a prefix hit) until it fits or the request
+     itself was the newest.
   2. Then waiting requests, oldest first, while budget, sequence slots and blocks remain:
      each looks up its prefix in the cache and is scheduled for the uncached rest (up to
      the budget). A request that does not fit waits its turn; nothing behind it jumps the
@@ -56,8 +58,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_running_tokens(request, budget)
             while not self.kv.allocate(request, num_new):
+                if request.draft_token_ids:
+                    # Drafts never cost another request its blocks: verify nothing instead.
+                    request.clear_draft()
+                    num_new = self._num_running_tokens(request, budget)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -96,7 +103,21 @@ class Scheduler:
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
 
+    @staticmethod
+    def _num_running_tokens(request: Request, budget: int) -> int:
+        # A decode with drafts verifies 1 + k tokens; a tight budget trims the drafts.
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if request.draft_token_ids:
+            num_drafts = min(len(request.draft_token_ids), budget - num_new)
+            if num_drafts < len(request.draft_token_ids):
+                request.draft_token_ids = request.draft_token_ids[:num_drafts]
+                if request.draft_probs is not None:
+                    request.draft_probs = request.draft_probs[:num_drafts]
+            num_new += num_drafts
+        return num_new
+
     def _preempt(self, request: Request) -> None:
+        request.clear_draft()
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

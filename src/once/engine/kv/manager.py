@@ -123,6 +123,22 @@ class KVCacheManager:
         # Tail first: the end of a prompt is the least likely part to be shared.
         self.pool.free_blocks(reversed(blocks))
 
+    def trim(self, request: Request) -> None:
+        """Roll back blocks past the request's computed tokens (rejected drafts' K/V).
+
+        Blocks past them hold only drafted positions, never registered in the prefix
+        cache, so they return to the pool as empty blocks; the rejected K/V left inside
+        the last kept block is overwritten when those positions are computed again.
+        """
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_keep = -(-request.num_computed_tokens // self.block_size)
+        if len(blocks) > num_keep:
+            extra = blocks[num_keep:]
+            del blocks[num_keep:]
+            self.pool.free_blocks(reversed(extra))
+
     def _num_blocks_needed(self, request, num_new_tokens, hit_blocks) -> int:
         num_held = len(self.req_blocks.get(request.request_id, ())) + len(hit_blocks)
         num_tokens = request.num_computed_tokens + num_new_tokens
@@ -134,7 +150,9 @@ class KVCacheManager:
         if not self.pool.enable_caching:
             return
         blocks = self.req_blocks[request.request_id]
-        num_full = min(num_tokens_after_step // self.block_size, len(blocks))
+        # Only committed tokens: drafted positions beyond them may yet be rejected.
+        num_committed = min(num_tokens_after_step, request.num_tokens)
+        num_full = min(num_committed // self.block_size, len(blocks))
         extend_block_hashes(
             request.block_hashes,
             request.all_token_ids[: num_full * self.block_size],

@@ -1,0 +1,3 @@
+from once.bench.spec_bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,190 @@
+"""Speculation on vs off, same engine, same run.
+
+One engine serves every pass; speculation is switched by swapping its drafter (a fresh
+one per pass, so no pass learns from an earlier pass's outputs). The first pass
+prefills every prompt, later passes mostly hit the prefix cache; timing counts only
+decode-only steps (no prompt token prefilled), so prefill never enters decode tokens/s.
+
+  1. batch 1, forced outputs: no speculation, then each drafter -> tokens per target
+     forward (all decode steps; a step without a draft counts as 1) and decode tok/s;
+  2. batch 8, forced outputs: no speculation vs the best drafter of (1);
+  3. free greedy decoding, no speculation vs the best drafter: identical ids or not.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from once.bench.spec_bench.workload import SpecCall, sample_calls
+from once.engine.config import DEFAULT_MODEL, EngineConfig
+from once.engine.spec import make_drafter
+from once.protocol.engine import GenerateRequest, SamplingParams
+
+_REPO_ROOT = Path(__file__).resolve().parents[4]
+DEFAULT_OUT = _REPO_ROOT / "results" / "bench_spec.json"
+
+
+def run_pass(engine, calls: list[SpecCall], batch: int, method: str, forced: bool) -> dict:
+    """Run calls in groups of `batch`; returns decode tokens/s and speculation counters."""
+    engine.drafter = make_drafter(_with_method(engine.config, method), engine.model_config)
+    counters_before = engine.stats()
+    outputs: dict[str, list[int]] = {}
+    decode_s, decode_tokens = 0.0, 0
+    for group_start in range(0, len(calls), batch):
+        group = calls[group_start : group_start + batch]
+        for call in group:
+            if forced:
+                params = SamplingParams(temperature=0, max_tokens=len(call.output_ids))
+            else:
+                params = SamplingParams(temperature=0, max_tokens=len(call.output_ids) or 1)
+            engine.add_request(
+                GenerateRequest(
+                    f"{method or 'plain'}-{batch}-{call.call_id}",
+                    call.prompt_ids,
+                    params,
+                    session_key=call.session_key,
+                    forced_output_ids=call.output_ids if forced else None,
+                )
+            )
+            outputs[call.call_id] = []
+        ids = {f"{method or 'plain'}-{batch}-{c.call_id}": c.call_id for c in group}
+        while engine.has_unfinished_requests():
+            prefilled = engine.counters["num_computed_prompt_tokens"]
+            generated = engine.counters["num_generated_tokens"]
+            started = time.perf_counter()
+            deltas = engine.step()
+            elapsed = time.perf_counter() - started
+            new_tokens = engine.counters["num_generated_tokens"] - generated
+            if engine.counters["num_computed_prompt_tokens"] == prefilled and new_tokens:
+                decode_s += elapsed
+                decode_tokens += new_tokens
+            for delta in deltas:
+                outputs[ids[delta.request_id]].extend(delta.token_ids)
+    after = engine.stats()
+    delta_of = {k: after[k] - counters_before[k] for k in _SPEC_KEYS}
+    forwards = delta_of["num_decode_forwards"]
+    engine.drafter = None
+    return {
+        "method": method or "none",
+        "batch": batch,
+        "decode_tokens": decode_tokens,
+        "decode_s": decode_s,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+        "tokens_per_forward": delta_of["num_decode_tokens"] / forwards if forwards else 0.0,
+        "mean_acceptance_length": (
+            1 + delta_of["num_accepted_tokens"] / delta_of["num_drafts"]
+            if delta_of["num_drafts"]
+            else 1.0
+        ),
+        **delta_of,
+        "outputs": outputs,
+    }
+
+
+_SPEC_KEYS = (
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_decode_forwards",
+    "num_decode_tokens",
+)
+
+
+def _with_method(config: EngineConfig, method: str) -> EngineConfig:
+    from dataclasses import replace
+
+    return replace(config, speculative_method=method)
+
+
+def run_benchmark(args, log) -> dict:
+    from once.engine.core import LLMEngine
+    from once.engine.loader import load_tokenizer, resolve_model_path
+
+    folder = resolve_model_path(args.model)
+    tokenizer = load_tokenizer(folder)
+    calls = sample_calls(tokenizer, args.num_calls, args.prompt_tokens, args.output_tokens, 0)
+    log(f"{len(calls)} calls, prompts cut to {args.prompt_tokens} tokens")
+    config = EngineConfig(
+        model=str(folder),
+        kv_cache_gib=args.kv_cache_gib,
+        num_threads=args.num_threads,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    engine = LLMEngine(config)
+    passes = []
+
+    def measured(batch, method, forced):
+        result = run_pass(engine, calls, batch, method, forced)
+        log(
+            f"b{batch} {result['method']:>6} forced={forced}: "
+            f"{result['decode_tok_s']:.1f} decode tok/s, "
+            f"{result['tokens_per_forward']:.2f} tokens/forward"
+        )
+        passes.append({k: v for k, v in result.items() if k != "outputs"} | {"forced": forced})
+        return result
+
+    base_b1 = measured(1, "", True)
+    by_method = {m: measured(1, m, True) for m in args.methods}
+    best = max(by_method, key=lambda m: by_method[m]["tokens_per_forward"])
+    base_b8 = measured(args.batch, "", True)
+    spec_b8 = measured(args.batch, best, True)
+    free_plain = measured(args.batch, "", False)
+    free_spec = measured(args.batch, best, False)
+    plain_out, spec_out = free_plain["outputs"], free_spec["outputs"]
+    mismatched = [c for c in plain_out if plain_out[c] != spec_out[c]]
+    return {
+        "model": str(folder),
+        "num_calls": len(calls),
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens": args.output_tokens,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "best_method": best,
+        "mean_acceptance_length": by_method[best]["tokens_per_forward"],
+        "vllm_mean_acceptance_length": by_method[best]["mean_acceptance_length"],
+        "speedup_b1": by_method[best]["decode_tok_s"] / base_b1["decode_tok_s"],
+        "speedup_b8": spec_b8["decode_tok_s"] / base_b8["decode_tok_s"],
+        "identical": not mismatched,
+        "mismatched_calls": mismatched,
+        "tokens_per_forward_by_method": {m: r["tokens_per_forward"] for m, r in by_method.items()},
+        "passes": passes,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="once bench spec", description=__doc__)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--num-calls", type=int, default=200)
+    parser.add_argument("--prompt-tokens", type=int, default=4000)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="the second batch size")
+    parser.add_argument("--methods", default="ngram,suffix", help="drafters to compare")
+    parser.add_argument("--num-speculative-tokens", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    if args.num_calls < 1 or args.prompt_tokens < 1 or args.output_tokens < 1 or not args.methods:
+        print("once bench spec: counts must be >= 1 and a method given", file=sys.stderr)
+        return 2
+    try:
+        results = run_benchmark(args, lambda msg: print(msg, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"once bench spec: {exc}", file=sys.stderr)
+        return 2
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=2)
+    args.out.write_text(text + "\n")
+    print(f"results written to {args.out}", file=sys.stderr)
+    if args.json:
+        print(text)
+    return 0

@@ -1,0 +1,36 @@
+"""Speculative decoding: drafters (n-gram, suffix, draft model), verification, counters.
+
+The engine asks its drafter for up to k ids per decoding request before scheduling, the
+scheduler gives each such request 1 + k tokens of the step's budget, the runner computes
+all 1 + k rows of logits in the same flat batch as everything else, and the engine commits
+the accepted ids (`verify.py`) and rolls back the K/V blocks of the rejected ones.
+"""
+
+from once.engine.spec.drafter import Draft, Drafter
+from once.engine.spec.stats import SpecDecodeStats
+
+METHODS = ("ngram", "suffix", "draft")  # "draft" (a draft model) is not built yet
+
+__all__ = ["METHODS", "Draft", "Drafter", "SpecDecodeStats", "make_drafter"]
+
+
+def make_drafter(config, model_config) -> Drafter | None:
+    """The drafter an EngineConfig asks for, or None when speculation is off."""
+    method = config.speculative_method
+    if not method:
+        return None
+    if config.num_speculative_tokens < 1:
+        raise ValueError("num_speculative_tokens must be >= 1 when speculation is on")
+    if method == "ngram":
+        from once.engine.spec.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if method == "suffix":
+        from once.engine.spec.suffix import SuffixDrafter
+
+        return SuffixDrafter()
+    if method == "draft":
+        if not config.draft_model:
+            raise ValueError('speculative_method "draft" needs draft_model')
+        raise ValueError('speculative_method "draft" is not built yet; use ngram or suffix')
+    raise ValueError(f"unknown speculative_method {method!r}; choose from {METHODS}")
