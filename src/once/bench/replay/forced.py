@@ -68,6 +68,13 @@ class ForcedOutputEngine:
                 record.metrics = delta.metrics
             yield delta
 
+    def last_record(self, session_key: str) -> EngineRecord:
+        """The newest request of one session (sessions may run at once)."""
+        for record in reversed(self.records):
+            if record.session_key == session_key:
+                return record
+        raise KeyError(f"no request recorded for session {session_key!r}")
+
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
 

@@ -14,6 +14,7 @@ tokens tokenized (gateway counter deltas), the engine's own accounting for the r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -58,7 +59,21 @@ class CallRecord:
         return dict(self.__dict__)
 
 
-async def replay_session(stack: Stack, plan: SessionPlan, key: str | None = None) -> list[dict]:
+async def replay_session(
+    stack: Stack,
+    plan: SessionPlan,
+    key: str | None = None,
+    *,
+    tool_times_s: list[float] | None = None,
+    concurrent: bool = False,
+    on_call=None,
+) -> list[dict]:
+    """tool_times_s[k]: seconds to wait after call k (the agent running its tool).
+
+    concurrent: other sessions share the stack, so the gateway's global counters cannot
+    be read as before/after deltas; take this request's tokenization from the build log
+    and its received bytes from what the client sent (the same JSON body).
+    """
     key = key or f"replay/{stack.spec.name}/{plan.session_id}"
     stack.forced.expect(key, [call.forced_ids for call in plan.calls])
     transport = stack.transport()
@@ -100,22 +115,27 @@ async def replay_session(stack: Stack, plan: SessionPlan, key: str | None = None
             matches[position] = _same_meaning(call.output_items, output)
             if matches[position]:
                 id_map.update(_call_id_pairs(call.output_items, output))
-            engine = stack.forced.records[-1]
+            engine = stack.forced.last_record(key)
             engine_metrics = engine.metrics
+            bytes_sent = transport.stats.bytes_sent - before_bytes
+            if concurrent:
+                tokenized = stack.builds.take(engine.prompt_ids) or 0
+                received = bytes_sent
+            else:
+                tokenized = int(metrics.value(metrics.tokenized_tokens) - before_tokenized)
+                received = int(_received_bytes(metrics) - before_received)
             records.append(
                 CallRecord(
                     stack=stack.spec.name,
                     session_id=plan.session_id,
                     source=plan.session.source,
                     index=call.index,
-                    bytes_sent=transport.stats.bytes_sent - before_bytes,
-                    bytes_received=int(_received_bytes(metrics) - before_received),
+                    bytes_sent=bytes_sent,
+                    bytes_received=received,
                     bytes_new=bytes_new,
                     incremental=transport.stats.incremental_calls > before_incremental,
                     break_cause=None if doctor_break is None else doctor_break.cause,
-                    tokens_tokenized=int(
-                        metrics.value(metrics.tokenized_tokens) - before_tokenized
-                    ),
+                    tokens_tokenized=tokenized,
                     prompt_tokens=len(engine.prompt_ids),
                     cached_tokens=engine_metrics.num_cached_tokens,
                     computed_tokens=engine_metrics.num_computed_tokens,
@@ -131,6 +151,10 @@ async def replay_session(stack: Stack, plan: SessionPlan, key: str | None = None
                     wall_s=wall_s,
                 ).to_dict()
             )
+            if on_call is not None:
+                on_call()
+            if tool_times_s and position + 1 < len(plan.calls):
+                await asyncio.sleep(tool_times_s[min(position, len(tool_times_s) - 1)])
     finally:
         await transport.close()
     return records

@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openai
 
 from once.bench.replay.forced import ForcedOutputEngine
 from once.gateway.config import GatewayConfig
+from once.gateway.render import NotIncrementalError
 
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -33,6 +34,7 @@ class StackSpec:
     name: str
     websocket: bool  # else stateless HTTP, full requests
     prefix_caching: bool
+    incremental_tokenization: bool = True  # False: the gateway renders every prompt in full
 
 
 ONCE = StackSpec("once", websocket=True, prefix_caching=True)
@@ -59,6 +61,49 @@ def load_served_runtime(model_folder: Path, max_model_len: int):
     return ModelRuntime.load(TOKENIZER_MODEL, model_folder, max_model_len=max_model_len)
 
 
+class FullRenderBuilder:
+    """A prompt builder whose continuations always fall back to a full render (ablation).
+
+    The gateway treats `NotIncrementalError` as "render this continuation in full", so the
+    WebSocket path stays incremental on the wire while the gateway re-tokenizes everything.
+    """
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def continuation(self, *args, **kwargs):
+        raise NotIncrementalError("incremental tokenization is off (ablation)")
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class LoggingBuilder:
+    """Logs each build's tokenization count by prompt ids, so that a request can be matched
+    to its own gateway work when sessions run at once (the gateway's counters are global).
+    Only the first build of a prompt is kept: a verification re-render comes after it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.num_tokenized_by_prompt: dict[int, int] = {}  # hash of the prompt ids -> count
+
+    def _log(self, built):
+        self.num_tokenized_by_prompt.setdefault(hash(tuple(built.prompt_ids)), built.num_tokenized)
+        return built
+
+    def full(self, *args, **kwargs):
+        return self._log(self._inner.full(*args, **kwargs))
+
+    def continuation(self, *args, **kwargs):
+        return self._log(self._inner.continuation(*args, **kwargs))
+
+    def take(self, prompt_ids) -> int | None:
+        return self.num_tokenized_by_prompt.pop(hash(tuple(prompt_ids)), None)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
 @dataclass
 class Stack:
     spec: StackSpec
@@ -66,6 +111,7 @@ class Stack:
     forced: ForcedOutputEngine
     gateway: object  # once.gateway.app.Gateway
     client: openai.AsyncOpenAI
+    builds: LoggingBuilder | None = None
 
     def transport(self):
         from once.agent.transport.http import HttpTransport
@@ -125,6 +171,11 @@ async def open_stack(
     from once.engine.core import LLMEngine
     from once.gateway.testing import serve_gateway
 
+    builder = runtime.builder
+    if not spec.incremental_tokenization:
+        builder = FullRenderBuilder(builder)
+    builds = LoggingBuilder(builder)
+    runtime = replace(runtime, builder=builds)
     config = EngineConfig(
         model=str(model_folder),
         enable_prefix_caching=spec.prefix_caching,
@@ -143,7 +194,7 @@ async def open_stack(
                 base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
             )
             try:
-                yield Stack(spec, engine, forced, gateway, client)
+                yield Stack(spec, engine, forced, gateway, client, builds)
             finally:
                 await client.close()
     finally:
