@@ -9,7 +9,6 @@ previous call finished (the tool time), so only session starts are open-loop arr
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,31 +40,20 @@ def load_mooncake(
     path: str | Path | None = None, *, minutes: float | None = 30.0, limit: int | None = None
 ) -> list[SimRequest]:
     """Mooncake JSONL: {timestamp (ms), input_length, output_length, hash_ids (512 tokens)}."""
+    # One loader for the Mooncake format, shared with the replay instrument.
+    from once.bench.production_traces import load_mooncake as read_mooncake
+
     path = Path(path) if path is not None else shared_data_dir() / "mooncake" / CONVERSATION_TRACE
-    requests: list[SimRequest] = []
-    with open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                arrival_s = float(row["timestamp"]) / 1000
-                num_prompt = int(row["input_length"])
-                num_output = int(row["output_length"])
-                hashes = tuple(int(h) for h in row["hash_ids"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: bad Mooncake record ({exc})") from exc
-            if num_prompt < 1 or num_output < 0 or arrival_s < 0:
-                raise ValueError(f"{path}:{number}: lengths and timestamp must be >= 0")
-            if len(hashes) != -(-num_prompt // MOONCAKE_BLOCK_SIZE):
-                raise ValueError(f"{path}:{number}: {len(hashes)} hash_ids for {num_prompt} tokens")
-            if minutes is not None and arrival_s >= minutes * 60:
-                break
-            requests.append(
-                SimRequest(f"mc-{number}", arrival_s, num_prompt, max(1, num_output), hashes)
-            )
-            if limit is not None and len(requests) >= limit:
-                break
+    requests = [
+        SimRequest(
+            f"mc-{r.line}",
+            r.arrival_s,
+            r.num_prompt_tokens,
+            max(1, r.num_output_tokens),
+            tuple(r.block_hashes),
+        )  # fmt: skip
+        for r in read_mooncake(path, minutes=minutes, limit=limit)
+    ]
     requests.sort(key=lambda request: request.arrival_s)
     return requests
 
