@@ -15,12 +15,20 @@ import asyncio
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from once.bench.replay.ablation import ABLATIONS, ablation_table
+from once.bench.replay.baseline import print_second_bar, run_transformers_baseline, second_bar
+from once.bench.replay.baseline_session import (
+    add_session_mode_arguments,
+    cut_outputs,
+    kv_cache_gib_for,
+    resolve_session_mode,
+)
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
+from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.plan import SessionPlan, plan_session
-from once.bench.replay.replay import replay_session
+from once.bench.replay.report import write_report
 from once.bench.replay.sessions import find_session, sample_names
 from once.bench.replay.stacks import (
     NAIVE,
@@ -31,6 +39,7 @@ from once.bench.replay.stacks import (
     make_tiny_replay_model,
     open_stack,
 )
+from once.bench.replay.traffic import progress_bars, replay_sessions
 
 DEFAULT_MAX_MODEL_LEN = 32768
 STACKS = {"once": ONCE, "naive": NAIVE}
@@ -46,9 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=TINY, help="'tiny' (random weights) or a model name")
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--max-calls", type=int, help="replay only the first N calls")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.25)
+    parser.add_argument(
+        "--kv-cache-gib", type=float, help="default: one request of --max-model-len, >= 0.25"
+    )
+    add_session_mode_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the JSON report")
-    parser.add_argument("--out", type=Path, help="also write report.json here (a folder)")
+    parser.add_argument(
+        "--out", type=Path, help="also write report.json, report.md and plots here (a folder)"
+    )
+    parser.add_argument(
+        "--ablate",
+        action="store_true",
+        help="also replay the once stack with each optimization off in turn",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="sessions replayed at once on each stack"
+    )
+    parser.add_argument(
+        "--pacing",
+        choices=PACINGS,
+        default=FAST,
+        help="fast: next call at once; recorded: wait the recorded tool time (scaled)",
+    )
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies tool times")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     return parser
 
 
@@ -57,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_model_len < 2 or (args.max_calls is not None and args.max_calls < 1):
         print("error: --max-model-len must be >= 2 and --max-calls >= 1", file=sys.stderr)
         return 2
+    if args.concurrency < 1 or not args.time_scale >= 0:
+        print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
+        return 2
     try:
+        resolve_session_mode(args, TINY)
         names = args.sessions or sample_names()
         sessions = [find_session(name) for name in names]
     except (FileNotFoundError, ValueError) as e:
@@ -65,12 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = asyncio.run(run_replay(sessions, args))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "report.json").write_text(json.dumps(report, indent=2))
+        write_report(report, args.out)
+        _log(f"report written to {args.out / 'report.md'}")
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_summary(report)
+        print_second_bar(report, sys.stdout)
     return 0
 
 
@@ -83,6 +118,10 @@ async def run_replay(sessions, args) -> dict:
 
             folder = Path(resolve_model_path(args.model))
         runtime = load_served_runtime(folder, args.max_model_len)
+        if getattr(args, "kv_cache_gib", None) is None:
+            args.kv_cache_gib = kv_cache_gib_for(folder, args.max_model_len)
+        if getattr(args, "max_output_tokens", 0):
+            sessions = [(f, cut_outputs(s, runtime, args.max_output_tokens)) for f, s in sessions]
         plans = []
         for source_folder, session in sessions:
             plan = plan_session(
@@ -92,27 +131,64 @@ async def run_replay(sessions, args) -> dict:
                 plans.append((source_folder, plan))
             else:
                 _log(f"skip {session.session_id}: its first call does not fit")
+        baseline = None
+        if getattr(args, "baseline", None) == "transformers":  # first: its figures are logged early
+            baseline = run_transformers_baseline(folder, [plan for _, plan in plans], _log)
         records: dict[str, dict[str, list[dict]]] = {}
-        counters = {}
-        for name, spec in STACKS.items():
-            async with open_stack(
-                spec, runtime, folder, max_model_len=args.max_model_len,
-                kv_cache_gib=args.kv_cache_gib,
-            ) as stack:  # fmt: skip
-                records[name] = {}
-                for source_folder, plan in plans:
-                    started = time.perf_counter()
-                    rows = await replay_session(stack, plan)
-                    for row in rows:
-                        row["source_folder"] = source_folder
-                    records[name][plan.session_id] = rows
-                    _log(
-                        f"{name:5} {plan.session_id}: {len(rows)} calls in "
-                        f"{time.perf_counter() - started:.1f} s"
+        counters, traffic = {}, {}
+        specs = dict(STACKS)
+        if getattr(args, "ablate", False):
+            specs.update({name: spec for name, (spec, _) in ABLATIONS.items()})
+        with progress_bars(not getattr(args, "no_progress", True)) as progress:
+            for name, spec in specs.items():
+                async with open_stack(
+                    spec, runtime, folder, max_model_len=args.max_model_len,
+                    kv_cache_gib=args.kv_cache_gib,
+                ) as stack:  # fmt: skip
+                    records[name], traffic[name] = await replay_sessions(
+                        stack,
+                        plans,
+                        concurrency=getattr(args, "concurrency", 1),
+                        pacing=getattr(args, "pacing", FAST),
+                        time_scale=getattr(args, "time_scale", 1.0),
+                        progress=progress,
+                        log=None if progress is not None else _log,
                     )
-                counters[name] = await stack.counters()
-                block_size = stack.engine.engine.config.block_size
-    return build_report(plans, records, counters, block_size, args)
+                    counters[name] = await stack.counters()
+                    block_size = stack.engine.engine.config.block_size
+    report = build_report(plans, records, counters, block_size, args)
+    report.update(second_bar(records, baseline))
+    report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
+    add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args)
+    return report
+
+
+def add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args) -> None:
+    """Extra sections, only when asked for: the default JSON keeps its shape."""
+    variants = [name for name in specs if name not in STACKS]
+    if variants:
+        totals = {"once": report["total"]["once"]}
+        for name in variants:
+            rows = [row for _, plan in plans for row in records[name][plan.session_id]]
+            ledgers = [
+                session_ledger(
+                    records[name][plan.session_id],
+                    block_size=block_size,
+                    prefix_caching=specs[name].prefix_caching,
+                )
+                for _, plan in plans
+            ]
+            totals[name] = merge(ledgers, rows)
+        report["ablation_totals"] = {name: totals[name] for name in variants}
+        report["ablation"] = ablation_table(totals)
+    if getattr(args, "concurrency", 1) > 1 or getattr(args, "pacing", FAST) != FAST:
+        report["traffic"] = {
+            "concurrency": args.concurrency,
+            "pacing": args.pacing,
+            "time_scale": args.time_scale,
+            "stack_wall_s": {name: t["stack_wall_s"] for name, t in traffic.items()},
+            "tool_time_origins": traffic["once"]["origins"],
+        }
 
 
 def build_report(plans: list[tuple[str, SessionPlan]], records, counters, block_size, args):
