@@ -32,8 +32,12 @@ $(MODEL_STAMP): $(STAMP)
 
 model: $(MODEL_STAMP)
 
+# The main job: the whole stack (harness transport -> gateway -> engine) on the embedded
+# default model, replaying a real recorded agent session once and naively; prints the
+# ledger and where the report (Markdown, JSON, plots) was written.
 run: model
-	$(BIN)/once run --compare-naive
+	$(BIN)/once replay --model smollm2 --sessions scikit-learn__scikit-learn-10844 \
+		--max-calls 6 --out results/make-run
 
 lint: setup
 	$(BIN)/ruff check src tests
