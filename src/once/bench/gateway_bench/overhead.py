@@ -24,6 +24,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_healthy(server: subprocess.Popen, url: str, what: str, verify=True) -> None:
+    """Poll /healthz until it answers 200; fail with the server's stderr if it exits."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(url + "/healthz", verify=verify, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start: {server.stderr.read()!r}")
+        time.sleep(0.2)
+
+
 def process_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -48,16 +62,7 @@ def measure(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{mode} server did not start: {server.stderr.read()!r}")
-            time.sleep(0.2)
+        wait_until_healthy(server, url, f"{mode} server")
         cpu_before = process_cpu_s(server.pid)
         client = subprocess.run(
             [sys.executable, "-m", f"{module}.load_client", "--mode", mode, "--url", url,

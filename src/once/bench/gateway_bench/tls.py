@@ -20,7 +20,7 @@ import httpx
 import websockets
 
 from once.bench.gateway_bench.load_client import prompt_text
-from once.bench.gateway_bench.overhead import free_port
+from once.bench.gateway_bench.overhead import free_port, wait_until_healthy
 from once.bench.gateway_bench.scripted_server import MODEL
 
 
@@ -92,16 +92,7 @@ def run(calls: int = 30) -> dict:
         )  # fmt: skip
         url = f"https://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(url + "/healthz", verify=context, timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"TLS gateway did not start: {server.stderr.read()!r}")
-                time.sleep(0.2)
+            wait_until_healthy(server, url, "TLS gateway", verify=context)
             new_connection = https_new_connection(url, context, calls)
             keep_alive = https_keep_alive(url, context, calls)
             persistent = asyncio.run(wss_persistent(f"wss://127.0.0.1:{port}", context, calls))
