@@ -101,7 +101,13 @@ def build_gateway(config, engine_config, registry=None):
 
         engine = AsyncEngine.from_config(engine_config)
         folder, max_len = engine.engine.model_path, engine.engine.max_model_len
-    safety = build_safety_checker(config.safety)
+    from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
+
+    safety = build_safety_checker(
+        config.safety,
+        embedder_factory=SentenceEmbedder,
+        worker_initializer=limit_this_thread_to_one_core,
+    )
     if safety is not None:
         safety.warm_up()
     model = ModelRuntime.load(config.model, folder, max_len, safety=safety)

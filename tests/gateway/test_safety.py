@@ -3,6 +3,7 @@ import time
 
 import pytest
 
+from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
 from once.gateway.safety import (
     DEFAULT_THRESHOLD,
     EmbeddingClassifier,
@@ -16,6 +17,15 @@ from once.gateway.safety import (
     time_standalone,
 )
 from once.gateway.safety_exemplars import EXEMPLARS
+
+# What the wiring (cli.py) hands the embedding classifier.
+WIRING = {"embedder_factory": SentenceEmbedder, "worker_initializer": limit_this_thread_to_one_core}
+
+
+def minilm_classifier(**options) -> EmbeddingClassifier:
+    return EmbeddingClassifier(
+        embedder=SentenceEmbedder(), worker_initializer=limit_this_thread_to_one_core, **options
+    )
 
 
 class FakeClassifier:
@@ -138,10 +148,10 @@ async def test_a_failing_classifier_fails_the_check():
 async def test_empty_input_is_not_flagged():
     rules = RuleClassifier({"any": ["."]})
     assert (await SafetyChecker([rules]).check([])).flagged is False
-    unloaded = EmbeddingClassifier()
+    unloaded = minilm_classifier()
     verdict = await unloaded.classify(["", "  \n "])
     assert verdict.flagged is False
-    assert unloaded._model is None  # answered without loading the model
+    assert unloaded.embedder.loaded is False  # answered without loading the model
 
 
 def test_checker_policies_and_bad_arguments():
@@ -184,13 +194,14 @@ async def test_build_from_config():
             "threshold": 0.7,
             "rules": {"weapons": ["pipe bomb"]},
             "deny_list": ["secret codename"],
-        }
+        },
+        **WIRING,
     )
     assert checker.policy == "hold"
     embedding, rules = checker.classifiers
     assert isinstance(embedding, EmbeddingClassifier) and embedding.threshold == 0.7
     assert (await rules.classify(["my Secret Codename"])).flagged is True
-    default = build_safety_checker({"policy": "stream"})
+    default = build_safety_checker({"policy": "stream"}, **WIRING)
     assert [c.name for c in default.classifiers] == ["embedding"]
     assert default.classifiers[0].threshold == DEFAULT_THRESHOLD
 
@@ -214,7 +225,12 @@ async def test_build_from_config():
 )
 def test_bad_config_is_a_clear_value_error(config, message):
     with pytest.raises(ValueError, match=message):
-        build_safety_checker(config)
+        build_safety_checker(config, **WIRING)
+
+
+def test_the_embedding_classifier_needs_an_embedder_from_the_wiring():
+    with pytest.raises(ValueError, match="needs an embedder"):
+        build_safety_checker({"policy": "stream"})
 
 
 # -- the embedding classifier, with the real model (loaded once) ----------------------------
@@ -254,7 +270,7 @@ CODE = "def load(path):\n    with open(path) as f:\n        return json.load(f)\
 
 @pytest.fixture(scope="module")
 def classifier():
-    classifier = EmbeddingClassifier()
+    classifier = minilm_classifier()
     classifier.warm_up()
     return classifier
 

@@ -14,6 +14,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
+from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
 from once.gateway.auth import DEFAULT_TENANT
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.responses import ConnectionCache, ResponsesService
@@ -254,7 +255,9 @@ async def test_a_warm_up_is_checked_before_it_joins_the_chain(runtime):
 
 
 async def test_the_embedding_classifier_cuts_a_harmful_continuation(runtime):
-    classifier = EmbeddingClassifier()
+    classifier = EmbeddingClassifier(
+        embedder=SentenceEmbedder(), worker_initializer=limit_this_thread_to_one_core
+    )
     await asyncio.to_thread(classifier.warm_up)
     engine = scripted_texts(runtime, ["Sure, here is the parser.", REPLY], token_latency_s=0.01)
     safety = SafetyChecker([classifier], policy="stream")

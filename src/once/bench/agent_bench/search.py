@@ -189,34 +189,12 @@ def hybrid_recall_at_k(index: ToolSearchIndex, tasks: Sequence[Task], k: int = 5
 
 
 def _minilm_embedder():
-    """all-MiniLM-L6-v2's sentence embedding: mean-pooled, L2-normalised, 128 pieces."""
-    import numpy as np
-    import torch
-    from transformers import AutoModel, AutoTokenizer
+    """all-MiniLM-L6-v2's sentence embedding (engine.embedding), cut at 128 word pieces."""
+    from once.engine.embedding import SentenceEmbedder
 
-    from once.gateway.safety import default_model_dir
-
-    folder = default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModel.from_pretrained(folder).eval()
-
-    def embed(texts: list[str], batch_size: int = 32):
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # little padding
-        vectors = np.zeros((len(texts), model.config.hidden_size), np.float32)
-        with torch.inference_mode():
-            for begin in range(0, len(order), batch_size):
-                batch = order[begin : begin + batch_size]
-                encoded = tokenizer(
-                    [texts[i] for i in batch],
-                    truncation=True, max_length=128, padding=True, return_tensors="pt",
-                )  # fmt: skip
-                hidden = model(**encoded).last_hidden_state  # (B, T, 384)
-                mask = encoded["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-                pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)
-                vectors[batch] = torch.nn.functional.normalize(pooled, dim=-1).numpy()
-        return vectors
-
-    return embed
+    embedder = SentenceEmbedder(batch_size=32, max_tokens=128)
+    embedder.load()
+    return embedder.embed_texts
 
 
 def exact_name_checks(index: ToolSearchIndex) -> dict:

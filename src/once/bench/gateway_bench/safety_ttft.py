@@ -15,6 +15,7 @@ import time
 
 from once.bench.payloads import session_requests
 from once.bench.traces import MINI_SWE_AGENT, load_sessions
+from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
 from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
@@ -55,7 +56,11 @@ async def measure(runtime, num_requests: int = 12) -> dict:
     from dataclasses import replace
 
     bodies = sample_requests(num_requests)
-    checker = build_safety_checker({"policy": "hold", "classifiers": ["embedding"]})
+    checker = build_safety_checker(
+        {"policy": "hold", "classifiers": ["embedding"]},
+        embedder_factory=SentenceEmbedder,
+        worker_initializer=limit_this_thread_to_one_core,
+    )
     texts = [[b["input"]] for b in bodies]
     standalone = statistics.median([await time_standalone(checker, t, repeats=3) for t in texts])
     prefill_s = max(0.2, 3 * standalone)  # every prefill outlasts the check
