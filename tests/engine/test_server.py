@@ -6,11 +6,11 @@ import socket
 
 import httpx
 import pytest
-import uvicorn
 
 from once.engine.client import RemoteEngineClient
 from once.engine.scripted import ScriptedEngine
 from once.engine.server import build_engine_app
+from once.gateway.testing import serve_app
 from once.protocol.engine import GenerateRequest, SamplingParams, TokenDelta
 from once.protocol.errors import ContextLengthExceededError, EngineDeadError, OnceError
 
@@ -20,25 +20,8 @@ TIMEOUT_S = 5
 @contextlib.asynccontextmanager
 async def serve(engine):
     """Run the engine app on 127.0.0.1 with an OS-chosen port; yield its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = build_engine_app(engine, model_name="scripted")
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(TIMEOUT_S):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, TIMEOUT_S)
-        sock.close()
+    async with serve_app(build_engine_app(engine, model_name="scripted")) as (url, _):
+        yield url
 
 
 @pytest.fixture

@@ -4,16 +4,14 @@ Backed by a ScriptedEngine (so the prefix cache and timing are real enough); ser
 real uvicorn on a free local port, so the client's streaming and cancellation are real.
 """
 
-import asyncio
 import contextlib
 import json
-import socket
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from once.engine.scripted import ScriptedEngine
+from once.gateway.testing import serve_app as serve_loopback
 from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import OnceError
 
@@ -85,22 +83,5 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
 @contextlib.asynccontextmanager
 async def serve_app(app: FastAPI):
     """Run `app` on 127.0.0.1 with an OS-chosen port; yield (base URL, server)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(START_TIMEOUT_S):
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.01)
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        server.force_exit = True
-        await asyncio.wait_for(task, START_TIMEOUT_S)
-        sock.close()
+    async with serve_loopback(app, force_exit=True) as served:
+        yield served

@@ -36,28 +36,25 @@ def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:
 
 
 @contextlib.asynccontextmanager
-async def serve_gateway(
-    runtime: ModelRuntime, engine, config: GatewayConfig | None = None, safety=None, tls=None
-):
-    """Start the gateway on 127.0.0.1; yield (base_url, gateway). tls: (certfile, keyfile)."""
-    config = config or GatewayConfig(store="memory", verify_every=1)
-    model = replace(runtime, safety=safety)
-    gateway = create_gateway(config, engine, {runtime.name: model})
+async def serve_app(app, *, tls=None, force_exit: bool = False, **uvicorn_options):
+    """Run an ASGI app on 127.0.0.1 with an OS-chosen port; yield (base URL, server).
+
+    tls: (certfile, keyfile) for HTTPS. force_exit skips waiting for open streams at
+    shutdown (tests that kill a server mid-stream)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_gateway_app(gateway),
-            log_level="warning",
-            lifespan="off",
-            timeout_graceful_shutdown=1,
-            ws_max_size=config.max_body_bytes,
-            ssl_certfile=tls[0] if tls else None,
-            ssl_keyfile=tls[1] if tls else None,
-        )
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        timeout_graceful_shutdown=1,
+        ssl_certfile=tls[0] if tls else None,
+        ssl_keyfile=tls[1] if tls else None,
+        **uvicorn_options,
     )
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(START_TIMEOUT_S):
@@ -65,9 +62,25 @@ async def serve_gateway(
                 if task.done():
                     task.result()
                 await asyncio.sleep(0.01)
-        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}", gateway
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
+        server.force_exit = force_exit
         await asyncio.wait_for(task, START_TIMEOUT_S)
         sock.close()
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    runtime: ModelRuntime, engine, config: GatewayConfig | None = None, safety=None, tls=None
+):
+    """Start the gateway on 127.0.0.1; yield (base_url, gateway). tls: (certfile, keyfile)."""
+    config = config or GatewayConfig(store="memory", verify_every=1)
+    model = replace(runtime, safety=safety)
+    gateway = create_gateway(config, engine, {runtime.name: model})
+    app = build_gateway_app(gateway)
+    try:
+        async with serve_app(app, tls=tls, ws_max_size=config.max_body_bytes) as (url, _):
+            yield url, gateway
+    finally:
         await gateway.service.store.close()
