@@ -61,19 +61,29 @@ class Prepared:
 
 
 class ConnectionCache:
-    """A WebSocket connection's own conversation states (works with store=false)."""
+    """A WebSocket connection's last responses (works with store=false): the conversation
+    state a continuation builds on, and the request fields it inherits."""
 
     def __init__(self, capacity: int = 4):
         self.capacity = capacity
-        self.states: dict[str, tuple[ConversationState, ResponsesRequest]] = {}
+        self.states: dict[str, ConversationState] = {}
+        self.fields: dict[str, dict] = {}
 
-    def put(self, response_id: str, state: ConversationState, request: ResponsesRequest):
-        self.states[response_id] = (state, request)
-        while len(self.states) > self.capacity:
-            self.states.pop(next(iter(self.states)))
+    def put(self, response_id: str, state: ConversationState) -> None:
+        self.states[response_id] = state
+        _keep_newest(self.states, self.capacity)
 
-    def get(self, response_id: str):
+    def remember_fields(self, response_id: str, fields: dict) -> None:
+        self.fields[response_id] = fields
+        _keep_newest(self.fields, self.capacity)
+
+    def get(self, response_id: str) -> ConversationState | None:
         return self.states.get(response_id)
+
+
+def _keep_newest(entries: dict, capacity: int) -> None:
+    while len(entries) > capacity:
+        del entries[next(iter(entries))]
 
 
 class ResponsesService:
@@ -153,7 +163,7 @@ class ResponsesService:
 
     async def _previous_state(self, response_id, tenant, connection) -> ConversationState:
         if connection is not None and (cached := connection.get(response_id)) is not None:
-            return cached[0]
+            return cached
         record = await self.store.get(response_id, tenant.name)
         if record is None:
             raise PreviousResponseNotFoundError(
@@ -283,7 +293,7 @@ class ResponsesService:
             else prepared.items + tuple(prepared.builder.response["output"]),
         )
         if connection is not None:
-            connection.put(prepared.builder.id, state, request)
+            connection.put(prepared.builder.id, state)
         record = None
         if request.store:
             record = StoredResponse(
