@@ -88,8 +88,10 @@ class PromptRenderer:
         closed = self.render([*_ANCHOR, {"role": "assistant", "content": _ANCHOR_MARK}], False)
         # What the template writes after an assistant message's content ("<|im_end|>\n").
         self.assistant_close_text = closed[closed.rindex(_ANCHOR_MARK) + len(_ANCHOR_MARK) :]
-        base = self.render(list(_ANCHOR), False)
-        self.generation_prompt_text = self.render(list(_ANCHOR), True)[len(base) :]
+        # The anchor alone renders the same on every continuation unless tools reach the
+        # template (native tools): render it once.
+        self._anchor_text = self.render(list(_ANCHOR), False)
+        self.generation_prompt_text = self.render(list(_ANCHOR), True)[len(self._anchor_text) :]
 
     # -- items to messages ---------------------------------------------------------------
 
@@ -172,7 +174,8 @@ class PromptRenderer:
         self, new_messages: Sequence[dict], tools: Sequence[dict] | None = None
     ) -> str:
         """Text the template writes for `new_messages` (+ generation prompt) after a turn."""
-        base = self.render(list(_ANCHOR), False, tools)
+        native = self.native_tools and tools
+        base = self.render(list(_ANCHOR), False, tools) if native else self._anchor_text
         extended = self.render([*_ANCHOR, *new_messages], True, tools)
         if not extended.startswith(base):
             raise NotIncrementalError("the template re-renders earlier turns")
