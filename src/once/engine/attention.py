@@ -5,10 +5,13 @@ Token order in a step's batch (built by the model runner):
     [ decode tokens: one per decoding sequence | prefill chunk of seq A | chunk of seq B ... ]
       <------------- num_decode_tokens ------->
 
-Decodes go through one call of the paged decode kernel (C, reads K/V through the block
-table in place). Each prefill chunk runs SDPA: a chunk that starts at position 0 attends to
-its own fresh K/V; a chunk that continues a prefix (prefix-cache hit or chunked prefill)
-gathers its earlier context from the cache once, which is amortized over the chunk.
+Decodes go through the paged decode kernel (C, reads K/V through the block table in
+place), one call per decode group: plain decodes are groups of one row per sequence; a
+speculative verification's 1 + k rows form a group with 1 + k rows per sequence, which the
+kernel serves with one pass over the context for all rows. Each prefill chunk runs SDPA:
+a chunk that starts at position 0 attends to its own fresh K/V; a chunk that continues a
+prefix (prefix-cache hit or chunked prefill) gathers its earlier context from the cache
+once, which is amortized over the chunk.
 """
 
 import ctypes
@@ -55,11 +58,24 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences with num_rows consecutive query rows each; row r of a sequence sits at
+    context length context_len - (num_rows - 1 - r) (its own token included)."""
+
+    num_rows: int
+    block_tables: torch.Tensor  # (num_seqs, max_blocks) int32
+    context_lens: torch.Tensor  # (num_seqs,) int32: the length of each sequence's last row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.block_tables.shape[0] * self.num_rows
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) where each new token's K/V is written
-    num_decode_tokens: int = 0
-    decode_block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int32
-    decode_context_lens: torch.Tensor | None = None  # (num_decodes,) int32, incl. new token
+    num_decode_tokens: int = 0  # the first rows of the batch, group after group
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     use_kernel: bool = True
 
@@ -106,43 +122,51 @@ def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
 
 def decode_attention(q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
     lib = load_cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
-    if lib is not None and q.dtype == torch.float32:
-        return _decode_kernel(lib, q, kv_cache, layer_idx, meta)
-    return _decode_torch(q, kv_cache, layer_idx, meta)
+    use_kernel = lib is not None and q.dtype == torch.float32
+    outs, row = [], 0
+    for group in meta.decode_groups:
+        rows = q[row : row + group.num_tokens]
+        row += group.num_tokens
+        out = _decode_kernel(lib, rows, kv_cache, layer_idx, group) if use_kernel else None
+        outs.append(out if out is not None else _decode_torch(rows, kv_cache, layer_idx, group))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _decode_kernel(lib, q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
+def _decode_kernel(lib, q, kv_cache: PagedKVCache, layer_idx, group: DecodeGroup):
     q = q.contiguous()
     out = torch.empty_like(q)
     k, v = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
-    tables, lens = meta.decode_block_tables, meta.decode_context_lens
-    num_seqs, n_heads, head_dim = q.shape
+    tables, lens = group.block_tables, group.context_lens
+    _, n_heads, head_dim = q.shape
     rc = lib.paged_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), num_seqs, n_heads, k.shape[2], head_dim, kv_cache.block_size,
-        tables.shape[1], DECODE_PART_BLOCKS, ctypes.c_float(head_dim**-0.5),
-        torch.get_num_threads(),
+        out.data_ptr(), tables.shape[0], group.num_rows, n_heads, k.shape[2], head_dim,
+        kv_cache.block_size, tables.shape[1], DECODE_PART_BLOCKS,
+        ctypes.c_float(head_dim**-0.5), torch.get_num_threads(),
     )  # fmt: skip
-    if rc != 0:
-        return _decode_torch(q, kv_cache, layer_idx, meta)
-    return out
+    return out if rc == 0 else None
 
 
-def _decode_torch(q, kv_cache: PagedKVCache, layer_idx, meta: AttentionMetadata):
-    # Reference path: gather every sequence's context into a padded batch, then SDPA.
+def _decode_torch(q, kv_cache: PagedKVCache, layer_idx, group: DecodeGroup):
+    # Reference path: one row per query, its context gathered into a padded batch, SDPA.
     k_flat, v_flat = kv_cache.flat(layer_idx)
-    tables, lens = meta.decode_block_tables.long(), meta.decode_context_lens.long()
-    num_seqs, n_heads, head_dim = q.shape
+    num_rows = group.num_rows
+    tables = group.block_tables.long().repeat_interleave(num_rows, dim=0)
+    row_offsets = torch.arange(num_rows - 1, -1, -1, device=q.device).repeat(
+        group.block_tables.shape[0]
+    )
+    lens = group.context_lens.long().repeat_interleave(num_rows) - row_offsets
+    _, n_heads, head_dim = q.shape
     max_len = int(lens.max())
     bs = kv_cache.block_size
     pos = torch.arange(max_len, device=q.device)
-    slots = tables[:, pos // bs] * bs + pos % bs  # (num_seqs, max_len)
+    slots = tables[:, pos // bs] * bs + pos % bs  # (num_rows_total, max_len)
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)
     slots = torch.where(valid, slots, 0)
-    k = k_flat[slots]  # (num_seqs, max_len, n_kv_heads, head_dim)
+    k = k_flat[slots]  # (num_rows_total, max_len, n_kv_heads, head_dim)
     v = v_flat[slots]
-    group = n_heads // k.shape[2]
-    k = k.repeat_interleave(group, dim=2).transpose(1, 2)
-    v = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    group_size = n_heads // k.shape[2]
+    k = k.repeat_interleave(group_size, dim=2).transpose(1, 2)
+    v = v.repeat_interleave(group_size, dim=2).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :])
     return o.squeeze(2)

@@ -5,8 +5,9 @@ paged decode kernel together; multi-token chunks follow, one SDPA each. Logits a
 computed only for items that reach the end of their known tokens: those sample a token.
 
 A speculative verification carries 1 + k tokens: the last committed token and the k
-drafted ids after it, run as 1 + k decode rows of growing length over one block table.
-All its rows get logits (row i scores draft i + 1):
+drafted ids after it, run as 1 + k decode rows of growing length over one block table;
+decodes are grouped by their number of rows, and the kernel reads each sequence's K/V once
+for all of its rows. All its rows get logits (row i scores draft i + 1):
 
     positions   n-1   n    n+1  ...  n+k-1
     input ids   t     d1   d2   ...  dk
@@ -15,7 +16,7 @@ All its rows get logits (row i scores draft i + 1):
 
 import torch
 
-from once.engine.attention import AttentionMetadata, PagedKVCache, PrefillChunk
+from once.engine.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillChunk
 from once.engine.kv.manager import KVCacheManager
 from once.engine.scheduler import ScheduledRequest
 
@@ -36,6 +37,7 @@ class ModelRunner:
         # length over the same block table (the kernel reads K/V in place, and every
         # row's K/V is written before attention runs), cheaper than gathering context.
         decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.request.draft_token_ids]
+        decodes.sort(key=lambda s: s.num_new_tokens)  # one decode group per row count
         chunks = [s for s in scheduled if s.num_new_tokens > 1 and not s.request.draft_token_ids]
         ordered = decodes + chunks
         bs = self.block_size
@@ -46,8 +48,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled: list[ScheduledRequest] = []
         prefills: list[PrefillChunk] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        # Per row count: the block tables and last-row lengths of its sequences.
+        decode_groups: dict[int, tuple[list[list[int]], list[int]]] = {}
 
         for item in ordered:
             request = item.request
@@ -61,9 +63,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             if item.num_new_tokens == 1 or drafts:
-                for length in range(start + 1, end + 1):
-                    decode_tables.append(block_ids)
-                    decode_lens.append(length)
+                tables, lens = decode_groups.setdefault(item.num_new_tokens, ([], []))
+                tables.append(block_ids)
+                lens.append(end)
             else:
                 context_slots = None
                 if start:
@@ -80,15 +82,20 @@ class ModelRunner:
 
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.long),
-            num_decode_tokens=len(decode_lens),
+            num_decode_tokens=sum(s.num_new_tokens for s in decodes),
             prefills=prefills,
             use_kernel=self.use_kernel,
         )
-        if decodes:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            meta.decode_block_tables = self._tensor(padded, torch.int32)
-            meta.decode_context_lens = self._tensor(decode_lens, torch.int32)
+        for num_rows, (tables, lens) in decode_groups.items():
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            meta.decode_groups.append(
+                DecodeGroup(
+                    num_rows,
+                    self._tensor(padded, torch.int32),
+                    self._tensor(lens, torch.int32),
+                )
+            )
 
         logits = self.model.forward(
             self._tensor(input_ids, torch.long),

@@ -64,7 +64,7 @@ def _compile_and_load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
     fn = lib.small_batch_linear
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4

@@ -12,8 +12,14 @@
 //      stream through memory contiguously, one block after another.
 //   2. One task per (sequence, query head) merges the partials, rescaling each by
 //      exp(max_p - max).
-// Layouts: q, out: (num_seqs, num_heads, head_dim); k_cache, v_cache: (num_blocks,
-// block_size, num_kv_heads, head_dim); block_tables: (num_seqs, max_blocks_per_seq).
+// Several query rows per sequence (a speculative verification: the last committed token
+// and k drafts, row r at context length ctx - (num_rows - 1 - r)) share one pass over the
+// context: the rows become extra query heads of each kv head ("virtual heads", ordered
+// kv head, row, head in group), so every K and V row is read once for all of them, and
+// each virtual head masks the positions past its own row's length.
+// Layouts: q, out: (num_seqs, num_rows, num_heads, head_dim); k_cache, v_cache:
+// (num_blocks, block_size, num_kv_heads, head_dim); block_tables: (num_seqs,
+// max_blocks_per_seq); context_lens: (num_seqs,) the length of each sequence's last row.
 
 #include <float.h>
 #include <math.h>
@@ -123,12 +129,23 @@ static inline __attribute__((always_inline)) void partition_values(
     }
 }
 
+// Virtual head vh = (g * num_rows + r) * group + h  <->  row r, real head g * group + h.
+static inline long real_offset(int vh, int num_rows, int group, int num_heads, int head_dim) {
+    const int g = vh / (num_rows * group), r = (vh / group) % num_rows, h = vh % group;
+    return ((long)r * num_heads + g * group + h) * head_dim;
+}
+
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *block_tables, const int32_t *context_lens,
-                           float *out, int num_seqs, int num_heads, int num_kv_heads,
-                           int head_dim, int block_size, int max_blocks_per_seq,
-                           int part_blocks, float scale, int num_threads) {
+                           float *out, int num_seqs, int num_rows, int real_heads,
+                           int num_kv_heads, int head_dim, int block_size,
+                           int max_blocks_per_seq, int part_blocks, float scale,
+                           int num_threads) {
+    // From here on the rows are heads: num_heads virtual heads, group of them per kv head.
+    const int num_heads = real_heads * num_rows;
+    const int real_group = real_heads / num_kv_heads;
     const int group = num_heads / num_kv_heads;
+    const long seq_q = (long)num_heads * head_dim;  // floats of q (and out) per sequence
     const long token_stride = (long)num_kv_heads * head_dim;
     const long block_stride = (long)block_size * token_stride;
     const int part_tokens = part_blocks * block_size;
@@ -154,9 +171,13 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
             }
             float *qs = work, *acc = work + num_heads * head_dim;
             float *scores = acc + num_heads * head_dim;
-            for (int i = 0; i < num_heads * head_dim; i++) {
-                qs[i] = q[(long)s * num_heads * head_dim + i] * scale;
-                acc[i] = 0.f;
+            for (int vh = 0; vh < num_heads; vh++) {
+                const float *src =
+                    q + s * seq_q + real_offset(vh, num_rows, real_group, real_heads, head_dim);
+                for (int d = 0; d < head_dim; d++) {
+                    qs[vh * head_dim + d] = src[d] * scale;
+                    acc[vh * head_dim + d] = 0.f;
+                }
             }
             const int32_t *table = block_tables + (long)s * max_blocks_per_seq;
             const int vector_path = head_dim == 64 || head_dim == 128;
@@ -182,13 +203,19 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
                 }
             }
             // Softmax numerators; the exp loop is vectorized (libmvec) under -ffast-math.
+            // A virtual head sees only its own row's context: the positions past it get
+            // weight 0 (only the last partition has any).
             for (int head = 0; head < num_heads; head++) {
                 float *sc = scores + head * part_tokens;
+                const int row = (head / real_group) % num_rows;
+                const int row_end = ctx - (num_rows - 1 - row) - start;
+                const int m = row_end < n ? (row_end > 0 ? row_end : 0) : n;
+                for (int j = m; j < n; j++) sc[j] = 0.f;
                 float mx = -FLT_MAX;
-                for (int j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+                for (int j = 0; j < m; j++) mx = sc[j] > mx ? sc[j] : mx;
                 float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < n; j++) {
+                for (int j = 0; j < m; j++) {
                     const float e = expf(sc[j] - mx);
                     sc[j] = e;
                     sum += e;
@@ -235,13 +262,15 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
 #pragma omp parallel for collapse(2) num_threads(num_threads)
     for (int s = 0; s < num_seqs; s++) {
         for (int head = 0; head < num_heads; head++) {
-            const int num_parts = (context_lens[s] + part_tokens - 1) / part_tokens;
+            const int row = (head / real_group) % num_rows;
+            const int row_len = context_lens[s] - (num_rows - 1 - row);
+            const int num_parts = (row_len + part_tokens - 1) / part_tokens;
             float global_max = -FLT_MAX;
             for (int p = 0; p < num_parts; p++) {
                 const float *src = partials + (((long)s * max_parts + p) * num_heads + head) * partial_len;
                 if (src[0] > global_max) global_max = src[0];
             }
-            float *o = out + ((long)s * num_heads + head) * head_dim;
+            float *o = out + s * seq_q + real_offset(head, num_rows, real_group, real_heads, head_dim);
             for (int d = 0; d < head_dim; d++) o[d] = 0.f;
             float total = 0.f;
             for (int p = 0; p < num_parts; p++) {
