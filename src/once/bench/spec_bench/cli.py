@@ -1,14 +1,18 @@
 """Speculation on vs off, same engine, same run.
 
 One engine serves every pass; speculation is switched by swapping its drafter (a fresh
-one per pass, so no pass learns from an earlier pass's outputs). The first pass
-prefills every prompt, later passes mostly hit the prefix cache; timing counts only
-decode-only steps (no prompt token prefilled), so prefill never enters decode tokens/s.
+one per pass, so no pass learns from an earlier pass's outputs). The calls go in groups
+of `--batch`, and every variant below runs on a group before the next group starts: the
+group's prompts are prefilled once and every later variant hits the prefix cache (a KV
+cache cannot hold all 200 prompts of 4,000 tokens, so pass-major order would prefill
+them again for every variant). Timing counts only decode-only steps (no prompt token
+prefilled), so prefill never enters decode tokens/s; the figures are sums over groups.
 
   1. batch 1, forced outputs: no speculation, then each drafter -> tokens per target
      forward (all decode steps; a step without a draft counts as 1) and decode tok/s;
-  2. batch 8, forced outputs: no speculation vs the best drafter of (1);
-  3. free greedy decoding, no speculation vs the best drafter: identical ids or not.
+  2. batch 8, forced outputs: no speculation and each drafter; the bar reads the drafter
+     that was best at batch 1;
+  3. free greedy decoding at batch 8, no speculation vs each drafter: identical ids or not.
 """
 
 import argparse
@@ -114,27 +118,34 @@ def run_benchmark(args, log) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     engine = LLMEngine(config)
-    passes = []
-
-    def measured(batch, method, forced):
-        result = run_pass(engine, calls, batch, method, forced)
-        log(
-            f"b{batch} {result['method']:>6} forced={forced}: "
-            f"{result['decode_tok_s']:.1f} decode tok/s, "
-            f"{result['tokens_per_forward']:.2f} tokens/forward"
-        )
-        passes.append({k: v for k, v in result.items() if k != "outputs"} | {"forced": forced})
-        return result
-
-    base_b1 = measured(1, "", True)
-    by_method = {m: measured(1, m, True) for m in args.methods}
+    batch, methods = args.batch, list(args.methods)
+    variants = (
+        [(1, "", True)]
+        + [(1, m, True) for m in methods]
+        + [(batch, m, True) for m in ["", *methods]]
+        + [(batch, m, False) for m in ["", *methods]]
+    )
+    totals: dict[tuple, dict] = {}
+    for group_start in range(0, len(calls), batch):
+        group = calls[group_start : group_start + batch]
+        for variant in variants:
+            _accumulate(totals, variant, run_pass(engine, group, *variant))
+        log(f"{group_start + len(group)}/{len(calls)} calls: " + _progress_line(totals, variants))
+    passes = [_finish(variant, totals[variant]) for variant in variants]
+    result_of = {variant: p for variant, p in zip(variants, passes, strict=True)}
+    base_b1 = result_of[(1, "", True)]
+    by_method = {m: result_of[(1, m, True)] for m in methods}
     best = max(by_method, key=lambda m: by_method[m]["tokens_per_forward"])
-    base_b8 = measured(args.batch, "", True)
-    spec_b8 = measured(args.batch, best, True)
-    free_plain = measured(args.batch, "", False)
-    free_spec = measured(args.batch, best, False)
-    plain_out, spec_out = free_plain["outputs"], free_spec["outputs"]
-    mismatched = [c for c in plain_out if plain_out[c] != spec_out[c]]
+    base_b8, spec_b8 = result_of[(batch, "", True)], result_of[(batch, best, True)]
+    plain_out = totals[(batch, "", False)]["outputs"]
+    mismatched = sorted(
+        {
+            call
+            for m in methods
+            for call, ids in totals[(batch, m, False)]["outputs"].items()
+            if plain_out[call] != ids
+        }
+    )
     return {
         "model": str(folder),
         "num_calls": len(calls),
@@ -151,6 +162,42 @@ def run_benchmark(args, log) -> dict:
         "tokens_per_forward_by_method": {m: r["tokens_per_forward"] for m, r in by_method.items()},
         "passes": passes,
     }
+
+
+def _accumulate(totals: dict, variant: tuple, result: dict) -> None:
+    total = totals.setdefault(variant, {"outputs": {}})
+    total["outputs"].update(result.pop("outputs"))
+    for key in ("decode_tokens", "decode_s", *_SPEC_KEYS):
+        total[key] = total.get(key, 0) + result[key]
+
+
+def _finish(variant: tuple, total: dict) -> dict:
+    """One variant's figures over all groups, in the shape of a single pass."""
+    batch, method, forced = variant
+    forwards, drafts = total["num_decode_forwards"], total["num_drafts"]
+    return {
+        "method": method or "none",
+        "batch": batch,
+        "forced": forced,
+        "decode_tokens": total["decode_tokens"],
+        "decode_s": total["decode_s"],
+        "decode_tok_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] else 0.0,
+        "tokens_per_forward": total["num_decode_tokens"] / forwards if forwards else 0.0,
+        "mean_acceptance_length": 1 + total["num_accepted_tokens"] / drafts if drafts else 1.0,
+        **{key: total[key] for key in _SPEC_KEYS},
+    }
+
+
+def _progress_line(totals: dict, variants: list[tuple]) -> str:
+    parts = []
+    for variant in variants:
+        if variant[2]:  # forced passes carry the speed figures
+            done = _finish(variant, totals[variant])
+            name = f"b{variant[0]} {done['method']}"
+            parts.append(
+                f"{name} {done['decode_tok_s']:.1f} tok/s {done['tokens_per_forward']:.2f}"
+            )
+    return "; ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:
