@@ -55,6 +55,17 @@ class PrefillChunk:
     num_tokens: int
     num_prior_tokens: int  # context already in the cache before this chunk
     context_slots: torch.Tensor | None  # (num_prior_tokens,) slots of that context
+    _mask: torch.Tensor | None = None
+
+    def causal_mask(self, device) -> torch.Tensor:
+        """Query i sits at absolute position num_prior + i and sees keys 0..num_prior + i
+        (a bottom-right aligned causal mask; SDPA's is_causal is top-left aligned). Built
+        once per chunk and shared by every layer."""
+        if self._mask is None:
+            q_pos = torch.arange(self.num_tokens, device=device) + self.num_prior_tokens
+            k_pos = torch.arange(self.num_prior_tokens + self.num_tokens, device=device)
+            self._mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
+        return self._mask
 
 
 @dataclass
@@ -98,25 +109,18 @@ def paged_attention(q, k, v, kv_cache: PagedKVCache, layer_idx, meta: AttentionM
 
 
 def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
-    n_heads, n_kv_heads = q.shape[1], k.shape[1]
     if chunk.num_prior_tokens:
         k = torch.cat((k_flat.index_select(0, chunk.context_slots), k))
         v = torch.cat((v_flat.index_select(0, chunk.context_slots), v))
-    group = n_heads // n_kv_heads
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    # SDPA wants (B, heads, L, D).
+    # SDPA wants (B, heads, L, D); enable_gqa lets each kv head serve its group of query
+    # heads without copying K and V once per query head.
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
     if chunk.num_prior_tokens == 0:
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
-        # Query i sits at absolute position num_prior + i and sees keys 0..num_prior + i
-        # (bottom-right aligned causal mask; SDPA's is_causal is top-left aligned).
-        q_pos = torch.arange(chunk.num_tokens, device=q.device) + chunk.num_prior_tokens
-        k_pos = torch.arange(k.shape[0], device=q.device)
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        mask = chunk.causal_mask(q.device)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
 
 
