@@ -1,5 +1,9 @@
 """Speculative decoding: drafters (n-gram, suffix, draft model), verification, counters.
 
+Drafters: "ngram" and "suffix" copy from the request's context (and its session's earlier
+outputs); "draft" runs a smaller model with the target's tokenizer (`draft_model.py`),
+which samples its drafts for temperature > 0 and hands verification its probabilities.
+
 The engine asks its drafter for up to k ids per decoding request before scheduling, the
 scheduler gives each such request 1 + k tokens of the step's budget, the runner computes
 all 1 + k rows of logits in the same flat batch as everything else, and the engine commits
@@ -9,7 +13,7 @@ the accepted ids (`verify.py`) and rolls back the K/V blocks of the rejected one
 from once.engine.spec.drafter import Draft, Drafter
 from once.engine.spec.stats import SpecDecodeStats
 
-METHODS = ("ngram", "suffix", "draft")  # "draft" (a draft model) is not built yet
+METHODS = ("ngram", "suffix", "draft")  # "draft" needs EngineConfig.draft_model
 
 __all__ = ["METHODS", "Draft", "Drafter", "SpecDecodeStats", "make_drafter"]
 
@@ -32,5 +36,7 @@ def make_drafter(config, model_config) -> Drafter | None:
     if method == "draft":
         if not config.draft_model:
             raise ValueError('speculative_method "draft" needs draft_model')
-        raise ValueError('speculative_method "draft" is not built yet; use ngram or suffix')
+        from once.engine.spec.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter.from_config(config, model_config)
     raise ValueError(f"unknown speculative_method {method!r}; choose from {METHODS}")
