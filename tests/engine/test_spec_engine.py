@@ -156,7 +156,10 @@ def test_forced_copy_is_drafted_and_exact(tiny_model_dir, method):
     assert tokens_of(out) == list(forced)
     stats = engine.stats()
     assert stats["tokens_per_decode_forward"] > 4
-    assert out[-1].metrics.num_accepted_tokens == stats["num_accepted_tokens"] > 30
+    metrics = out[-1].metrics
+    assert metrics.num_accepted_tokens == stats["num_accepted_tokens"] > 30
+    assert metrics.num_drafts == stats["num_drafts"] > 0
+    assert metrics.num_draft_tokens == stats["num_draft_tokens"]
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

@@ -260,6 +260,7 @@ class LLMEngine:
         # bonus or corrected token) is computed next step. Blocks past that roll back.
         num_drafts = len(request.draft_token_ids)
         request.num_computed_tokens = request.num_tokens - 1
+        request.metrics.num_drafts += 1
         request.metrics.num_draft_tokens += num_drafts
         request.metrics.num_accepted_tokens += num_accepted
         self.spec.record_verification(num_drafts, num_accepted)

@@ -121,7 +121,8 @@ class RequestMetrics:
     mean_token_latency_s: float = 0.0  # mean gap between later output tokens
     e2e_s: float = 0.0
     queue_s: float = 0.0  # arrival -> first scheduled
-    # Speculative decoding (a later issue) fills these.
+    # Speculative decoding: verifications (drafts) run, ids drafted, drafts accepted.
+    num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
