@@ -16,7 +16,20 @@ def _engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False if args.no_prefix_caching else None,
         num_threads=args.threads,
+        slowdown=args.slowdown,
     )
+
+
+def _slowdown(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 1.0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1.0, got {text}")
+    return value
 
 
 def _add_engine_flags(parser):
@@ -28,6 +41,12 @@ def _add_engine_flags(parser):
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--slowdown",
+        type=_slowdown,
+        default=None,
+        help="run the engine at 1/X speed (X >= 1; a throttled replica for routing tests)",
+    )
 
 
 def cmd_model(args) -> int:

@@ -221,3 +221,21 @@ def test_once_policy_keeps_a_session_home_unless_clearly_slower():
     replicas.sort(key=lambda r: r.index)
     assert policy.choose(request(160, session_key="s"), replicas, rng) == other
     assert policy.choose(request(160, session_key="s"), idle(2), rng) == other
+
+
+def test_once_policy_does_not_leave_a_cached_home_for_its_pending_decodes():
+    policy = PredictedTTFT(affinity_margin=0.25)
+    rng = random.Random(0)
+    home = policy.choose(request(160, session_key="s"), idle(2), rng)
+    other = 1 - home
+    # Home: 9 of 10 blocks cached, 1000 decode tokens pending (5 s of decode at 100/s).
+    # Other: idle and cold. The decode term makes home's TTFT look far longer, yet
+    # decodes do not queue ahead of a chunked prefill: the session stays on its cache.
+    busy_home = replica(home, cached_prefix_blocks=9, num_decode_tokens=1000, num_running=2)
+    replicas = sorted([busy_home, replica(other)], key=lambda r: r.index)
+    assert policy.predicted_ttft_s(request(160), busy_home) > policy.predicted_ttft_s(
+        request(160), replicas[other]
+    )
+    assert policy.choose(request(160, session_key="s"), replicas, rng) == home
+    # A new session (no home) is still placed away from the busy batch.
+    assert policy.choose(request(160, session_key="new"), replicas, rng) == other

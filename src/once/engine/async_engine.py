@@ -3,11 +3,17 @@
 The synchronous step loop runs on its own thread (torch releases the GIL inside ops, so
 the event loop stays responsive); requests and aborts reach it through a locked inbox, and
 deltas come back to each caller's asyncio queue via call_soon_threadsafe.
+
+Throttle (`EngineConfig.slowdown` s >= 1): after each step the loop sleeps (s - 1) x the
+step's wall time and only then delivers the step's deltas, so every token leaves s times
+later than it would have: the replica behaves as a machine s times slower (a first
+token is delayed too, which a sleep after delivery would not do).
 """
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
@@ -16,8 +22,17 @@ from once.protocol.errors import EngineDeadError, OnceError
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.engine = engine
+        self._slowdown = engine.config.slowdown
+        self._sleep, self._clock = sleep, clock  # injectable: tests check the throttle
+        self.throttle_sleep_s = 0.0  # seconds slept by the throttle, in total
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._inbox_adds: list[GenerateRequest] = []
@@ -68,6 +83,8 @@ class AsyncEngine:
     async def stats(self) -> dict:
         stats = self.engine.stats()
         stats["engine_alive"] = self._dead is None
+        stats["slowdown"] = self._slowdown
+        stats["throttle_sleep_s"] = self.throttle_sleep_s
         return stats
 
     async def close(self) -> None:
@@ -99,7 +116,13 @@ class AsyncEngine:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
-                for delta in self.engine.step():
+                started = self._clock()
+                deltas = self.engine.step()
+                if self._slowdown > 1.0:
+                    pause_s = (self._slowdown - 1.0) * (self._clock() - started)
+                    self.throttle_sleep_s += pause_s
+                    self._sleep(pause_s)
+                for delta in deltas:
                     self._deliver(delta.request_id, delta)
         except BaseException as exc:  # the loop must never die silently
             self._dead = exc

@@ -1,5 +1,6 @@
 """The engine's one frozen config, resolved once (flags > env > defaults)."""
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -24,6 +25,13 @@ class EngineConfig:
     speculative_method: str = ""
     num_speculative_tokens: int = 8  # most draft tokens verified per request per step
     draft_model: str = ""  # the draft model of method "draft" (same tokenizer as model)
+    # >= 1: after each step the loop sleeps (slowdown - 1) x the step's wall time, so the
+    # engine runs at 1/slowdown of its speed (a throttled replica for routing benchmarks).
+    slowdown: float = 1.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
+            raise ValueError(f"slowdown must be a finite number >= 1.0, got {self.slowdown}")
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

@@ -148,8 +148,9 @@ class Router:
                 async with contextlib.aclosing(self._stream_from(replica, request, hashes)) as it:
                     async for delta in it:
                         streamed = True
+                        if delta.finished:  # counted now: the caller may stop reading here
+                            self.counters["num_finished"] += 1
                         yield delta
-                self.counters["num_finished"] += 1
                 return
             except ReplicaFailure as failure:
                 cause = failure.__cause__

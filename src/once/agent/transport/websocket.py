@@ -69,9 +69,11 @@ class WebSocketTransport:
             self._count(request)
             await self._drop_connection()
             response = await stream_over_http(self.client, request, on_event)
-        self._previous = request
-        self._previous_output = response.get("output") or []
-        self._previous_id = response["id"]
+        if response.get("status") != "failed":
+            # A failed response is not stored: a retry continues from the last good one.
+            self._previous = request
+            self._previous_output = response.get("output") or []
+            self._previous_id = response["id"]
         return response
 
     async def _over_websocket(self, payload: dict, request: dict, on_event) -> dict:

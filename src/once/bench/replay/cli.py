@@ -6,6 +6,16 @@ ran. The output is the ledger per session, per source folder and in total, and t
 headline figures per source folder: `computed_ratio` (prompt tokens computed, once /
 naive) next to `ideal_ratio` (an unlimited per-session prefix cache), and the total of
 `unattributed_misses` (computed prompt tokens no cause explains).
+
+Routing (`--replicas N`, N > 1): the engine becomes a router over N `once engine`
+processes, the last `--slow-replicas K` of them throttled to 1/`--slowdown` speed, each
+with `--replica-threads` threads (default: the cores / N). The once stack runs once per
+policy of `--policies` (router/policies.py names: once, session_affinity, round_robin,
+least_loaded, power_of_two, cache_aware, dynamo; `once` is required and is the stack
+the ledger reports), the naive stack round-robin over the N replicas, and a once stack on
+one in-process engine as the reference for cached tokens; every stack gets fresh
+replicas. The JSON gains a `routing` section (routing.py). A call that fails with
+`engine_unavailable` (a replica died mid-response) is retried, at most 3 sends.
 """
 
 from __future__ import annotations
@@ -28,7 +38,9 @@ from once.bench.replay.baseline_session import (
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
 from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.plan import SessionPlan, plan_session
+from once.bench.replay.replicas import default_replica_threads
 from once.bench.replay.report import write_report
+from once.bench.replay.routing import ONCE_POLICY, StackRun, routed_runs, routing_section
 from once.bench.replay.sessions import find_session, sample_names
 from once.bench.replay.stacks import (
     NAIVE,
@@ -40,6 +52,7 @@ from once.bench.replay.stacks import (
     open_stack,
 )
 from once.bench.replay.traffic import progress_bars, replay_sessions
+from once.router.policies import POLICIES
 
 DEFAULT_MAX_MODEL_LEN = 32768
 STACKS = {"once": ONCE, "naive": NAIVE}
@@ -79,7 +92,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies tool times")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    routing = parser.add_argument_group("routing (--replicas > 1)")
+    routing.add_argument("--replicas", type=int, default=1, help="once engine processes")
+    routing.add_argument("--slow-replicas", type=int, default=0, help="the last K are slow")
+    routing.add_argument("--slowdown", type=float, default=2.0, help="slow replicas' factor")
+    routing.add_argument(
+        "--policies",
+        nargs="+",
+        default=[ONCE_POLICY],
+        choices=sorted(POLICIES),
+        help="routing policies of the once stack (once, and the ones compared with it)",
+    )
+    routing.add_argument("--replica-threads", type=int, help="default: cores // --replicas")
     return parser
+
+
+def check_routing_args(args) -> str | None:
+    """The problem with the routing flags, or None."""
+    if args.replicas < 1:
+        return "--replicas must be >= 1"
+    if not 0 <= args.slow_replicas <= args.replicas:
+        return "--slow-replicas must be between 0 and --replicas"
+    if not args.slowdown >= 1.0:
+        return "--slowdown must be >= 1.0"
+    if ONCE_POLICY not in args.policies:
+        return "--policies must include once (the stack the ledger reports)"
+    if args.replicas == 1 and (args.slow_replicas or args.policies != [ONCE_POLICY]):
+        return "--slow-replicas and --policies need --replicas > 1"
+    if args.replica_threads is not None and args.replica_threads < 1:
+        return "--replica-threads must be >= 1"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.concurrency < 1 or not args.time_scale >= 0:
         print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
+        return 2
+    problem = check_routing_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     try:
         resolve_session_mode(args, TINY)
@@ -135,15 +181,14 @@ async def run_replay(sessions, args) -> dict:
         if getattr(args, "baseline", None) == "transformers":  # first: its figures are logged early
             baseline = run_transformers_baseline(folder, [plan for _, plan in plans], _log)
         records: dict[str, dict[str, list[dict]]] = {}
-        counters, traffic = {}, {}
-        specs = dict(STACKS)
-        if getattr(args, "ablate", False):
-            specs.update({name: spec for name, (spec, _) in ABLATIONS.items()})
+        counters, traffic, routing_stats = {}, {}, {}
+        runs = stack_runs(args)
         with progress_bars(not getattr(args, "no_progress", True)) as progress:
-            for name, spec in specs.items():
+            for run in runs:
+                name = run.spec.name
                 async with open_stack(
-                    spec, runtime, folder, max_model_len=args.max_model_len,
-                    kv_cache_gib=args.kv_cache_gib,
+                    run.spec, runtime, folder, max_model_len=args.max_model_len,
+                    kv_cache_gib=args.kv_cache_gib, **run.options,
                 ) as stack:  # fmt: skip
                     records[name], traffic[name] = await replay_sessions(
                         stack,
@@ -155,17 +200,42 @@ async def run_replay(sessions, args) -> dict:
                         log=None if progress is not None else _log,
                     )
                     counters[name] = await stack.counters()
-                    block_size = stack.engine.engine.config.block_size
+                    if stack.fleet is not None:
+                        routing_stats[name] = await stack.fleet.routing_stats()
+                    block_size = stack.block_size
     report = build_report(plans, records, counters, block_size, args)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
-    add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args)
+    specs = {run.spec.name: run.spec for run in runs}
+    ablations = [name for name in ABLATIONS if name in specs]
+    add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args, ablations)
+    if getattr(args, "replicas", 1) > 1:
+        report["routing"] = routing_section(runs, records, routing_stats)
     return report
 
 
-def add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args) -> None:
+def stack_runs(args) -> list[StackRun]:
+    """once and naive (one engine each, or routed over replicas), then the ablations."""
+    replicas = getattr(args, "replicas", 1)
+    if replicas > 1:
+        threads = getattr(args, "replica_threads", None) or default_replica_threads(replicas)
+        runs = routed_runs(
+            args.policies, replicas=replicas, slow_replicas=args.slow_replicas,
+            slowdown=args.slowdown, threads=threads,
+        )  # fmt: skip
+        once_options = runs[0].options  # the once policy's stack comes first
+    else:
+        runs = [StackRun(spec) for spec in STACKS.values()]
+        once_options = {}
+    if getattr(args, "ablate", False):
+        runs += [StackRun(spec, once_options) for spec, _ in ABLATIONS.values()]
+    return runs
+
+
+def add_ablation_and_traffic(
+    report, plans, records, traffic, specs, block_size, args, variants
+) -> None:
     """Extra sections, only when asked for: the default JSON keeps its shape."""
-    variants = [name for name in specs if name not in STACKS]
     if variants:
         totals = {"once": report["total"]["once"]}
         for name in variants:
@@ -259,6 +329,27 @@ def print_summary(report: dict, out=sys.stdout) -> None:
             file=out,
         )
     print(f"unattributed misses: {report['unattributed_misses']} tokens", file=out)
+    routing = report.get("routing")
+    if routing:
+        print(
+            f"routing over {routing['replicas']} replicas (slow: "
+            f"{', '.join(routing['slow_replicas']) or 'none'}, x{routing['slowdown']}):",
+            file=out,
+        )
+        for policy, row in routing["policies"].items():
+            print(
+                f"  {policy:18} cached {row['cached_tokens']:>9} computed "
+                f"{row['computed_tokens']:>9} TTFT p50 {row['ttft_p50_s']} s p90 "
+                f"{row['ttft_p90_s']} s retries {row['retries']} per replica "
+                f"{row.get('requests_per_replica')}",
+                file=out,
+            )
+        print(
+            f"  cached vs single replica {routing['cached_ratio_vs_single']}; once p90 TTFT vs "
+            f"session affinity {routing['p90_ttft_ratio_vs_session_affinity']}, vs round "
+            f"robin {routing['p90_ttft_ratio_vs_round_robin']}; bar {routing['bar']}",
+            file=out,
+        )
 
 
 def _log(message: str) -> None:

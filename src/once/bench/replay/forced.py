@@ -6,6 +6,11 @@ between the gateway and the engine: every request carries the session's
 next recorded output of that session, in call order. It also keeps, per request, the
 prompt the engine received and the engine's own accounting (`RequestMetrics`), which is
 what the ledger's inference layer is built from.
+
+A request that ends before it finished (an exception such as `EngineDeadError` from a
+dead replica, a finish reason `error` or `abort`, or the caller going away) puts its
+forced output back at the front of its session's queue: the caller's retry of the same
+call forces the same output.
 """
 
 from __future__ import annotations
@@ -15,7 +20,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
-from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics, TokenDelta
+from once.protocol.engine import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    EngineClient,
+    GenerateRequest,
+    RequestMetrics,
+    TokenDelta,
+)
 from once.protocol.errors import InvalidRequestError
 
 
@@ -58,15 +70,21 @@ class ForcedOutputEngine:
         self.records.append(record)
         started = time.perf_counter()
         forced_request = replace(request, forced_output_ids=forced)
-        async for delta in self.inner.generate(forced_request):
-            if record.first_token_s is None and delta.token_ids:
-                record.first_token_s = time.perf_counter() - started
-            if delta.num_cached_tokens is not None:
-                record.num_cached_tokens = delta.num_cached_tokens
-            if delta.finished:
-                record.finish_reason = delta.finish_reason
-                record.metrics = delta.metrics
-            yield delta
+        completed = False
+        try:
+            async for delta in self.inner.generate(forced_request):
+                if record.first_token_s is None and delta.token_ids:
+                    record.first_token_s = time.perf_counter() - started
+                if delta.num_cached_tokens is not None:
+                    record.num_cached_tokens = delta.num_cached_tokens
+                if delta.finished:
+                    record.finish_reason = delta.finish_reason
+                    record.metrics = delta.metrics
+                    completed = delta.finish_reason not in (FINISH_ERROR, FINISH_ABORT)
+                yield delta
+        finally:
+            if not completed:  # the call will be retried: it must force the same output
+                queue.appendleft(forced)
 
     def last_record(self, session_key: str) -> EngineRecord:
         """The newest request of one session (sessions may run at once)."""

@@ -12,7 +12,9 @@ add up to the engine's own `num_computed_prompt_tokens`:
                        computes the KV of an output's last token
     no_prefix_cache    ideal-cacheable tokens of a stack without prefix cache (naive)
     evicted            ideal-cacheable tokens missed after the engine evicted blocks
-    routed_elsewhere   (several replicas; 0 with one)
+    routed_elsewhere   ideal-cacheable tokens missed by a call on a replica that did not
+                       serve all of the session's earlier calls: the prefix may live on
+                       another replica (routed stacks only)
     preempted          recomputed after a preemption
     unattributed       ideal-cacheable tokens missed for no reason above: a bug to find
 
@@ -39,7 +41,14 @@ PREEMPTED = "preempted"
 UNATTRIBUTED = "unattributed"
 
 
-def attribute_call(record: dict, *, block_size: int, prefix_caching: bool, session_evictions: int):
+def attribute_call(
+    record: dict,
+    *,
+    block_size: int,
+    prefix_caching: bool,
+    session_evictions: int,
+    routed_elsewhere: bool = False,
+):
     """Split one call's computed prompt tokens into causes (a Counter summing to them)."""
     causes: Counter[str] = Counter()
     prompt, cached = record["prompt_tokens"], record["cached_tokens"]
@@ -80,7 +89,10 @@ def attribute_call(record: dict, *, block_size: int, prefix_caching: bool, sessi
         causes[BLOCK_BOUNDARY] += structural
     missed -= structural
     if missed:
-        causes[EVICTED if session_evictions > 0 else UNATTRIBUTED] += missed
+        if routed_elsewhere:  # first: evictions are counted over all replicas
+            causes[ROUTED_ELSEWHERE] += missed
+        else:
+            causes[EVICTED if session_evictions > 0 else UNATTRIBUTED] += missed
     return causes
 
 
@@ -88,15 +100,20 @@ def session_ledger(records: list[dict], *, block_size: int, prefix_caching: bool
     """One stack's ledger for one session (records in call order)."""
     causes: Counter[str] = Counter()
     first_evictions = records[0]["evictions_before"] if records else 0
+    earlier_replicas: set[str] = set()
     for record in records:
+        replica = record.get("replica")  # set on routed stacks only
         causes.update(
             attribute_call(
                 record,
                 block_size=block_size,
                 prefix_caching=prefix_caching,
                 session_evictions=record["evictions_before"] - first_evictions,
+                routed_elsewhere=bool(earlier_replicas - {replica}),
             )
         )
+        if replica is not None:
+            earlier_replicas.add(replica)
     totals = _sum(records)
     totals["miss_causes"] = dict(sorted(causes.items()))
     return totals

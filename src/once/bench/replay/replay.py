@@ -10,6 +10,12 @@ elision) the request goes as recorded and the caches miss, as they did.
 Per call it records each layer's work: bytes on the wire and the bytes that were new,
 tokens tokenized (gateway counter deltas), the engine's own accounting for the request
 (through `ForcedOutputEngine`), the cache doctor's verdict, TTFT and wall time.
+
+Failover. A call that fails with a retriable error (`engine_unavailable`: a replica died
+and the router could not hide it, because output had already streamed) is sent again,
+the same request, up to `MAX_ATTEMPTS` times; the record keeps `retries` and the error
+codes. TTFT and wall time then run from the first attempt, as the agent waited. Any other
+failure raises `ReplayCallError`. Routed stacks also record the `replica` that served it.
 """
 
 from __future__ import annotations
@@ -20,13 +26,23 @@ import time
 from dataclasses import dataclass
 
 from once.agent.doctor import CacheDoctor
-from once.agent.transport.http import payload_bytes
+from once.agent.transport.http import TransportError, payload_bytes
 from once.agent.transport.rule import full_request_reason, non_input_fields
 from once.bench.replay.plan import SessionPlan
 from once.bench.replay.stacks import Stack
+from once.protocol.errors import EngineDeadError
 from once.protocol.responses import canonical_json
 
 STARTING_EVENTS = ("response.created", "response.in_progress")
+MAX_ATTEMPTS = 3  # sends of one call, the first included
+RETRIABLE_CODES = frozenset({EngineDeadError.code})
+# Present in a record only when set: the default (one replica, no failure) JSON keeps its
+# shape.
+OPTIONAL_FIELDS = ("replica", "retries", "error_codes")
+
+
+class ReplayCallError(RuntimeError):
+    """A call failed for a reason a retry cannot fix (or failed every attempt)."""
 
 
 @dataclass
@@ -54,9 +70,13 @@ class CallRecord:
     ttft_s: float  # client: send -> first output event
     engine_ttft_s: float
     wall_s: float
+    replica: str | None = None  # routed stacks: the replica that served the call
+    retries: int = 0  # sends after the first (retriable failures)
+    error_codes: tuple[str, ...] = ()  # of the failed sends, in order
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        row = {**self.__dict__, "error_codes": list(self.error_codes)}
+        return {key: value for key, value in row.items() if value or key not in OPTIONAL_FIELDS}
 
 
 async def replay_session(
@@ -74,7 +94,7 @@ async def replay_session(
     be read as before/after deltas; take this request's tokenization from the build log
     and its received bytes from what the client sent (the same JSON body).
     """
-    key = key or f"replay/{stack.spec.name}/{plan.session_id}"
+    key = key or f"replay/{stack.session_namespace}/{plan.session_id}"
     stack.forced.expect(key, [call.forced_ids for call in plan.calls])
     transport = stack.transport()
     doctor = CacheDoctor()
@@ -99,7 +119,7 @@ async def replay_session(
             before_incremental = transport.stats.incremental_calls
             before_tokenized = metrics.value(metrics.tokenized_tokens)
             before_received = _received_bytes(metrics)
-            evictions_before = (await stack.engine.stats())["num_kv_evictions"]
+            evictions_before = (await stack.engine_stats())["num_kv_evictions"]
             first_event: list[float] = []
             started = time.perf_counter()
 
@@ -107,7 +127,9 @@ async def replay_session(
                 if not first_event and event.get("type") not in STARTING_EVENTS:
                     first_event.append(time.perf_counter() - started)
 
-            response = await transport.create(request, on_event)
+            response, error_codes = await _send_with_retries(
+                transport, request, on_event, first_event, f"{plan.session_id} call {call.index}"
+            )
             wall_s = time.perf_counter() - started
             output = response.get("output") or []
             doctor.record_output(output)
@@ -149,6 +171,9 @@ async def replay_session(
                     ttft_s=first_event[0] if first_event else wall_s,
                     engine_ttft_s=engine_metrics.ttft_s,
                     wall_s=wall_s,
+                    replica=stack.replica_of(engine.request_id),
+                    retries=len(error_codes),
+                    error_codes=tuple(error_codes),
                 ).to_dict()
             )
             if on_call is not None:
@@ -158,6 +183,29 @@ async def replay_session(
     finally:
         await transport.close()
     return records
+
+
+async def _send_with_retries(transport, request, on_event, first_event, what: str):
+    """(the response, the codes of the failed sends before it). A failure is either a
+    `response.failed` (the gateway's answer when the engine fails mid-response) or a
+    `TransportError` (an `error` event or frame, an HTTP error status)."""
+    error_codes: list[str] = []
+    while True:
+        try:
+            response = await transport.create(request, on_event)
+            failed = response.get("status") == "failed"
+            error = response.get("error") or {}
+            code, message = error.get("code"), error.get("message")
+        except TransportError as exc:
+            failed, code, message = True, exc.code, str(exc)
+        if not failed:
+            return response, error_codes
+        if code not in RETRIABLE_CODES:
+            raise ReplayCallError(f"{what} failed: [{code}] {message}")
+        error_codes.append(code)
+        if len(error_codes) >= MAX_ATTEMPTS:
+            raise ReplayCallError(f"{what} failed {MAX_ATTEMPTS} times, last: [{code}] {message}")
+        first_event.clear()  # TTFT counts from the first send to the retry's first output
 
 
 def _request_to_send(plan, position, sent, returned, matches, id_map) -> dict:

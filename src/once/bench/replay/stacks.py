@@ -8,6 +8,10 @@
 
 Both serve the same model: by default a tiny random-weight Llama with SmolLM2's tokenizer
 and vocabulary (compute is real but cheap), or SmolLM2 itself.
+
+The engine is one in-process `AsyncEngine` by default; with `replicas` > 1 it is a
+`Router(policy)` over that many `once engine` processes (replicas.py), some of them
+throttled, and `ForcedOutputEngine` sits in front of the router.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import openai
 
 from once.bench.replay.forced import ForcedOutputEngine
+from once.bench.replay.replicas import Fleet, open_fleet
 from once.gateway.config import GatewayConfig
 from once.gateway.render import NotIncrementalError
 
@@ -112,6 +117,29 @@ class Stack:
     gateway: object  # once.gateway.app.Gateway
     client: openai.AsyncOpenAI
     builds: LoggingBuilder | None = None
+    fleet: Fleet | None = None  # the replicas and router, when the engine is routed
+
+    @property
+    def session_namespace(self) -> str:
+        """The stack part of the replay's prompt_cache_keys. Routed variants of a stack
+        ("once/round_robin") share their stack's: every policy then routes the same
+        session keys, and session-hash affinity places each session as it would anyway."""
+        return self.spec.name.split("/")[0]
+
+    @property
+    def block_size(self) -> int:
+        if self.fleet is not None:
+            return self.fleet.router.config.block_size
+        return self.engine.engine.config.block_size
+
+    async def engine_stats(self) -> dict:
+        """The engine's stats; over replicas, their counters summed."""
+        if self.fleet is not None:
+            return await self.fleet.engine_stats()
+        return await self.engine.stats()
+
+    def replica_of(self, request_id: str) -> str | None:
+        return None if self.fleet is None else self.fleet.replica_of(request_id)
 
     def transport(self):
         from once.agent.transport.http import HttpTransport
@@ -126,7 +154,7 @@ class Stack:
         """The engine's and the gateway's own counters, for reconciliation."""
         metrics = self.gateway.metrics
         value = metrics.value
-        engine = await self.engine.stats()
+        engine = await self.engine_stats()
         return {
             "engine": {
                 key: engine[key]
@@ -165,10 +193,16 @@ async def open_stack(
     kv_cache_gib: float = 0.25,
     num_kv_blocks: int = 0,
     verify_every: int = 32,
+    replicas: int = 1,
+    slow_replicas: int = 0,
+    slowdown: float = 1.0,
+    policy: str = "once",
+    replica_threads: int = 1,
 ) -> AsyncIterator[Stack]:
-    from once.engine.async_engine import AsyncEngine
-    from once.engine.config import EngineConfig
-    from once.engine.core import LLMEngine
+    """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
+    replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
+    speed, `replica_threads` threads each) behind a router with `policy`; each stack
+    starts its own, so every stack's caches start empty."""
     from once.gateway.testing import serve_gateway
 
     builder = runtime.builder
@@ -176,6 +210,41 @@ async def open_stack(
         builder = FullRenderBuilder(builder)
     builds = LoggingBuilder(builder)
     runtime = replace(runtime, builder=builds)
+    gateway_config = GatewayConfig(
+        store="memory", verify_every=verify_every, max_body_bytes=256 * 1024 * 1024
+    )
+    async with contextlib.AsyncExitStack() as stack_of_closers:
+        fleet = None
+        if replicas > 1:
+            fleet = await stack_of_closers.enter_async_context(
+                open_fleet(
+                    model_folder, count=replicas, num_slow=slow_replicas, slowdown=slowdown,
+                    threads=replica_threads, policy=policy, max_model_len=max_model_len,
+                    kv_cache_gib=kv_cache_gib, prefix_caching=spec.prefix_caching,
+                )
+            )  # fmt: skip
+            engine = fleet.router
+        else:
+            engine = _in_process_engine(
+                spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks
+            )
+            stack_of_closers.push_async_callback(engine.close)
+        forced = ForcedOutputEngine(engine)
+        url, gateway = await stack_of_closers.enter_async_context(
+            serve_gateway(runtime, forced, gateway_config)
+        )
+        client = openai.AsyncOpenAI(
+            base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
+        )
+        stack_of_closers.push_async_callback(client.close)
+        yield Stack(spec, engine, forced, gateway, client, builds, fleet)
+
+
+def _in_process_engine(spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks):
+    from once.engine.async_engine import AsyncEngine
+    from once.engine.config import EngineConfig
+    from once.engine.core import LLMEngine
+
     config = EngineConfig(
         model=str(model_folder),
         enable_prefix_caching=spec.prefix_caching,
@@ -183,19 +252,4 @@ async def open_stack(
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
     )
-    engine = AsyncEngine(LLMEngine(config))
-    forced = ForcedOutputEngine(engine)
-    gateway_config = GatewayConfig(
-        store="memory", verify_every=verify_every, max_body_bytes=256 * 1024 * 1024
-    )
-    try:
-        async with serve_gateway(runtime, forced, gateway_config) as (url, gateway):
-            client = openai.AsyncOpenAI(
-                base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
-            )
-            try:
-                yield Stack(spec, engine, forced, gateway, client, builds)
-            finally:
-                await client.close()
-    finally:
-        await engine.close()
+    return AsyncEngine(LLMEngine(config))
