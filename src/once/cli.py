@@ -17,6 +17,9 @@ def _engine_config(args):
         enable_prefix_caching=False if args.no_prefix_caching else None,
         num_threads=args.threads,
         slowdown=args.slowdown,
+        speculative_method=args.speculative_method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
     )
 
 
@@ -47,6 +50,14 @@ def _add_engine_flags(parser):
         default=None,
         help="run the engine at 1/X speed (X >= 1; a throttled replica for routing tests)",
     )
+    parser.add_argument(
+        "--speculative-method",
+        choices=["ngram", "suffix", "draft"],
+        default=None,
+        help="speculative decoding's drafter (default: off)",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=None)
+    parser.add_argument("--draft-model", default=None, help='the draft model of method "draft"')
 
 
 def cmd_model(args) -> int:

@@ -3,12 +3,15 @@
 Each variant is replayed on the same sessions in the same run. An optimization's
 contribution is what its variant costs beyond the full once stack, per resource, end to
 end: bytes the gateway received, tokens it tokenized, prompt tokens the engine computed,
-and wall time. Routing and speculation join the list when those layers are replayed.
+and wall time. Speculation joins the list when the once stack speculates; routing's
+contribution is the routing section's (policies compared over the same replicas).
 """
 
 from __future__ import annotations
 
 from once.bench.replay.stacks import ONCE, StackSpec
+
+NO_SPECULATION = "once-no-spec"
 
 # name -> (the stack with that optimization off, what was switched off)
 ABLATIONS: dict[str, tuple[StackSpec, str]] = {
@@ -25,6 +28,11 @@ ABLATIONS: dict[str, tuple[StackSpec, str]] = {
     "once-no-cache": (
         StackSpec("once-no-cache", websocket=True, prefix_caching=False),
         "prefix cache -> off",
+    ),
+    # Only when the once stack speculates (`once replay --speculative`).
+    NO_SPECULATION: (
+        StackSpec(NO_SPECULATION, websocket=True, prefix_caching=True),
+        "speculative decoding -> off",
     ),
 }
 RESOURCES = ("bytes_received", "tokens_tokenized", "computed_tokens", "wall_s")

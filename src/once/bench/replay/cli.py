@@ -25,9 +25,10 @@ import asyncio
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from once.bench.replay.ablation import ABLATIONS, ablation_table
+from once.bench.replay.ablation import ABLATIONS, NO_SPECULATION, ablation_table
 from once.bench.replay.baseline import print_second_bar, run_transformers_baseline, second_bar
 from once.bench.replay.baseline_session import (
     add_session_mode_arguments,
@@ -35,6 +36,7 @@ from once.bench.replay.baseline_session import (
     kv_cache_gib_for,
     resolve_session_mode,
 )
+from once.bench.replay.cpu import add_cpu_seconds, cpu_line
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
 from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.plan import SessionPlan, plan_session
@@ -92,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiplies tool times")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--speculative",
+        choices=["ngram", "suffix"],
+        help="speculative decoding in the once stacks (naive never speculates); with "
+        "--ablate, one more variant switches it off",
+    )
     routing = parser.add_argument_group("routing (--replicas > 1)")
     routing.add_argument("--replicas", type=int, default=1, help="once engine processes")
     routing.add_argument("--slow-replicas", type=int, default=0, help="the last K are slow")
@@ -204,6 +212,7 @@ async def run_replay(sessions, args) -> dict:
                         routing_stats[name] = await stack.fleet.routing_stats()
                     block_size = stack.block_size
     report = build_report(plans, records, counters, block_size, args)
+    add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
     specs = {run.spec.name: run.spec for run in runs}
@@ -228,7 +237,20 @@ def stack_runs(args) -> list[StackRun]:
         runs = [StackRun(spec) for spec in STACKS.values()]
         once_options = {}
     if getattr(args, "ablate", False):
-        runs += [StackRun(spec, once_options) for spec, _ in ABLATIONS.values()]
+        runs += [
+            StackRun(spec, once_options)
+            for name, (spec, _) in ABLATIONS.items()
+            if name != NO_SPECULATION or getattr(args, "speculative", None)
+        ]
+    method = getattr(args, "speculative", None)
+    if method:  # every once stack speculates, but the naive one and the ablation of it
+        keep = (NAIVE.name, NO_SPECULATION)
+        runs = [
+            run
+            if run.spec.name in keep
+            else replace(run, spec=replace(run.spec, speculative_method=method))
+            for run in runs
+        ]
     return runs
 
 
@@ -325,7 +347,8 @@ def print_summary(report: dict, out=sys.stdout) -> None:
         print(
             f"{name}: prompt {total['prompt_tokens']} tokens, computed {total['computed_tokens']}"
             f", cached {total['cached_tokens']}; TTFT p50 {total['ttft_p50_s']} s p95 "
-            f"{total['ttft_p95_s']} s; wall {total['wall_s']} s\n  computed by cause: {causes}",
+            f"{total['ttft_p95_s']} s; wall {total['wall_s']} s\n  computed by cause: {causes}"
+            f"\n  CPU s: {cpu_line(total.get('cpu_s'))}{_spec_line(total)}",
             file=out,
         )
     print(f"unattributed misses: {report['unattributed_misses']} tokens", file=out)
@@ -350,6 +373,16 @@ def print_summary(report: dict, out=sys.stdout) -> None:
             f"robin {routing['p90_ttft_ratio_vs_round_robin']}; bar {routing['bar']}",
             file=out,
         )
+
+
+def _spec_line(total: dict) -> str:
+    if not total.get("num_drafts"):
+        return ""
+    return (
+        f"\n  speculation: {total['num_drafts']} drafts, {total['num_accepted_tokens']} of "
+        f"{total['num_draft_tokens']} drafted ids accepted, mean acceptance length "
+        f"{total['mean_acceptance_length']}"
+    )
 
 
 def _log(message: str) -> None:

@@ -119,6 +119,9 @@ def session_ledger(records: list[dict], *, block_size: int, prefix_caching: bool
     return totals
 
 
+SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+
+
 def _sum(records: Iterable[dict]) -> dict:
     records = list(records)
     keys = (
@@ -142,6 +145,14 @@ def _sum(records: Iterable[dict]) -> dict:
     totals["wall_s"] = round(sum(r["wall_s"] for r in records), 3)
     totals["ttft_p50_s"] = _percentile([r["ttft_s"] for r in records], 50)
     totals["ttft_p95_s"] = _percentile([r["ttft_s"] for r in records], 95)
+    # Speculative decoding, as vLLM counts it: mean acceptance length = 1 + accepted /
+    # verifications (records from before speculation was replayed carry none).
+    for key in SPEC_KEYS:
+        totals[key] = int(sum(r.get(key, 0) for r in records))
+    drafts = totals["num_drafts"]
+    totals["mean_acceptance_length"] = (
+        round(1 + totals["num_accepted_tokens"] / drafts, 4) if drafts else None
+    )
     return totals
 
 

@@ -73,6 +73,10 @@ class CallRecord:
     replica: str | None = None  # routed stacks: the replica that served the call
     retries: int = 0  # sends after the first (retriable failures)
     error_codes: tuple[str, ...] = ()  # of the failed sends, in order
+    # Speculating stacks: the engine's verifications, drafted ids and accepted ids.
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def to_dict(self) -> dict:
         row = {**self.__dict__, "error_codes": list(self.error_codes)}
@@ -174,6 +178,9 @@ async def replay_session(
                     replica=stack.replica_of(engine.request_id),
                     retries=len(error_codes),
                     error_codes=tuple(error_codes),
+                    num_drafts=engine_metrics.num_drafts,
+                    num_draft_tokens=engine_metrics.num_draft_tokens,
+                    num_accepted_tokens=engine_metrics.num_accepted_tokens,
                 ).to_dict()
             )
             if on_call is not None:

@@ -90,6 +90,7 @@ def engine_command(
     kv_cache_gib: float,
     prefix_caching: bool,
     slowdown: float,
+    speculative_method: str = "",
 ) -> list[str]:
     command = [
         sys.executable, "-m", "once.cli", "engine",
@@ -104,6 +105,8 @@ def engine_command(
         command.append("--no-prefix-caching")
     if slowdown != 1.0:
         command += ["--slowdown", str(slowdown)]
+    if speculative_method:
+        command += ["--speculative-method", speculative_method]
     return command
 
 
@@ -118,6 +121,7 @@ async def start_replicas(
     max_model_len: int,
     kv_cache_gib: float,
     prefix_caching: bool = True,
+    speculative_method: str = "",
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> AsyncIterator[list[ReplicaProcess]]:
     """`count` replicas named replica-0..N-1; those whose index is in `slow` run at
@@ -135,6 +139,7 @@ async def start_replicas(
             command = engine_command(
                 model_folder, port, threads=threads, max_model_len=max_model_len,
                 kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching, slowdown=speed,
+                speculative_method=speculative_method,
             )  # fmt: skip
             stderr_path = Path(logs) / f"replica-{index}.{port}.stderr"
             with open(stderr_path, "wb") as stderr:
@@ -285,6 +290,7 @@ async def open_fleet(
     max_model_len: int,
     kv_cache_gib: float,
     prefix_caching: bool = True,
+    speculative_method: str = "",
 ) -> AsyncIterator[Fleet]:
     """`count` replicas (the last `num_slow` of them slow) behind a `Router(policy)`."""
     if not 0 <= num_slow <= count:
@@ -293,6 +299,7 @@ async def open_fleet(
     async with start_replicas(
         model_folder, count=count, slow=slow, slowdown=slowdown, threads=threads,
         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching,
+        speculative_method=speculative_method,
     ) as processes:  # fmt: skip
         clients = [RemoteEngineClient(process.url) for process in processes]
         try:

@@ -40,6 +40,7 @@ class StackSpec:
     websocket: bool  # else stateless HTTP, full requests
     prefix_caching: bool
     incremental_tokenization: bool = True  # False: the gateway renders every prompt in full
+    speculative_method: str = ""  # the engine's drafter ("ngram", "suffix"); "" is off
 
 
 ONCE = StackSpec("once", websocket=True, prefix_caching=True)
@@ -221,6 +222,7 @@ async def open_stack(
                     model_folder, count=replicas, num_slow=slow_replicas, slowdown=slowdown,
                     threads=replica_threads, policy=policy, max_model_len=max_model_len,
                     kv_cache_gib=kv_cache_gib, prefix_caching=spec.prefix_caching,
+                    speculative_method=spec.speculative_method,
                 )
             )  # fmt: skip
             engine = fleet.router
@@ -251,5 +253,6 @@ def _in_process_engine(spec, model_folder, max_model_len, kv_cache_gib, num_kv_b
         kv_cache_gib=kv_cache_gib,
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
+        speculative_method=spec.speculative_method,
     )
     return AsyncEngine(LLMEngine(config))

@@ -16,6 +16,7 @@ import time
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from once.bench.replay.cpu import LayerCpuMeter
 from once.bench.replay.pacing import FAST, tool_times
 from once.bench.replay.replay import replay_session
 
@@ -66,6 +67,8 @@ async def replay_sessions(
     slots = asyncio.Semaphore(concurrency)
     records: dict[str, list[dict]] = {}
     origins: dict[str, str] = {}
+    cpu = stack_cpu_meter(stack)
+    cpu_by_session: dict[str, dict[str, float]] = {}  # sessions one at a time only
 
     async def one(source_folder, plan):
         waits, origins[plan.session_id] = tool_times(
@@ -73,9 +76,12 @@ async def replay_sessions(
         )
         async with slots:
             started = time.perf_counter()
+            before = cpu.snapshot()
             rows = await replay_session(
                 stack, plan, tool_times_s=waits, concurrent=concurrency > 1, on_call=advance
             )
+            if concurrency == 1:
+                cpu_by_session[plan.session_id] = cpu.between(before, cpu.snapshot())
         for row in rows:
             row["source_folder"] = source_folder
         records[plan.session_id] = rows
@@ -84,12 +90,29 @@ async def replay_sessions(
                 f"{time.perf_counter() - started:.1f} s")  # fmt: skip
 
     started = time.perf_counter()
+    cpu_before = cpu.snapshot()
     if concurrency == 1:
         for source_folder, plan in plans:
             await one(source_folder, plan)
     else:
         await asyncio.gather(*(one(folder, plan) for folder, plan in plans))
     stack_wall_s = time.perf_counter() - started
+    cpu_s = cpu.between(cpu_before, cpu.snapshot())
     # Keep the plans' order: reports list sessions as the sample names them.
     ordered = {plan.session_id: records[plan.session_id] for _, plan in plans}
-    return ordered, {"origins": origins, "stack_wall_s": round(stack_wall_s, 3)}
+    facts = {"origins": origins, "stack_wall_s": round(stack_wall_s, 3), "cpu_s": cpu_s}
+    facts["cpu_s_by_session"] = cpu_by_session
+    return ordered, facts
+
+
+def stack_cpu_meter(stack) -> LayerCpuMeter:
+    """The CPU meter of a stack: its gateway's own meter, its replica processes."""
+    registry = stack.gateway.meter.registry
+
+    def gateway_cpu_s() -> float:
+        value = registry.get_sample_value("once_gateway_cpu_seconds_total", {"stage": "request"})
+        return value or 0.0
+
+    fleet = getattr(stack, "fleet", None)
+    pids = [replica.process.pid for replica in fleet.processes] if fleet is not None else []
+    return LayerCpuMeter(gateway_cpu_s, pids)
