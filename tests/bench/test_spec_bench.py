@@ -45,6 +45,8 @@ def test_bar_figures_come_from_the_best_drafter(result):
     assert result["speedup_b1"] == pytest.approx(
         by[(1, best, True)]["decode_tok_s"] / by[(1, "none", True)]["decode_tok_s"]
     )
+    assert result["speedup_b1_by_method"][best] == result["speedup_b1"]
+    assert result["speedup_b8_by_method"][best] == result["speedup_b8"]
     # Without speculation every decode forward commits exactly one token.
     assert by[(1, "none", True)]["tokens_per_forward"] == 1.0
     assert by[(1, best, True)]["num_drafts"] > 0
