@@ -193,7 +193,7 @@ def test_session_affinity_is_sticky_and_moves_only_the_dead_replicas_sessions():
 
 
 def test_once_policy_weighs_cache_against_queue_at_each_speed():
-    policy = PredictedTTFT()
+    policy = PredictedTTFT(prefix_affinity_margin=0.0)  # no prefix affinity: TTFT alone
     rng = random.Random(0)
     # r0 holds 9 of 10 blocks but has 1000 tokens queued; r1 is idle and cold.
     r0 = replica(0, cached_prefix_blocks=9, num_queued_prefill_tokens=1000)
@@ -205,6 +205,25 @@ def test_once_policy_weighs_cache_against_queue_at_each_speed():
     slow = replica(0, prefill_tokens_per_s=500.0)
     fast = replica(1, num_queued_prefill_tokens=100)
     assert policy.choose(request(160), [slow, fast], rng) == 1
+
+
+def test_once_policy_keeps_a_keyless_request_with_its_prefix_unless_far_slower():
+    policy = PredictedTTFT()  # prefix_affinity_margin 0.9: leave only for 10x faster
+    rng = random.Random(0)
+    # r0 holds 9 of 10 blocks behind 1000 queued tokens (prefill 1.01 s); idle r1 would
+    # take 0.16 s: 6x faster, not 10x, so the request goes where its history is.
+    r0 = replica(0, cached_prefix_blocks=9, num_queued_prefill_tokens=1000)
+    assert policy.choose(request(160), [r0, replica(1)], rng) == 0
+    # Behind 10,000 queued tokens r0 is 60x slower: the request moves.
+    r0 = replica(0, cached_prefix_blocks=9, num_queued_prefill_tokens=10_000)
+    assert policy.choose(request(160), [r0, replica(1)], rng) == 1
+    # Two replicas hold the same deepest prefix: the home is not picked by index.
+    picks = set()
+    for seed in range(20):
+        holders = [replica(i, cached_prefix_blocks=9) for i in range(2)]
+        cold = replica(2, num_queued_prefill_tokens=0)
+        picks.add(policy.choose(request(160), [*holders, cold], random.Random(seed)))
+    assert picks == {0, 1}
 
 
 def test_once_policy_keeps_a_session_home_unless_clearly_slower():
