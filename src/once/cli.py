@@ -20,6 +20,7 @@ def _engine_config(args):
         speculative_method=args.speculative_method,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
+        kv_events_endpoint=args.kv_events_endpoint,
     )
 
 
@@ -58,6 +59,11 @@ def _add_engine_flags(parser):
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--draft-model", default=None, help='the draft model of method "draft"')
+    parser.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish KV events over ZMQ as vLLM does (e.g. tcp://127.0.0.1:5557)",
+    )
 
 
 def cmd_model(args) -> int:

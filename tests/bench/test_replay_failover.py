@@ -238,3 +238,27 @@ def test_routing_flags_are_checked_and_the_default_record_keeps_its_shape():
     retried = CallRecord(**{**fields, "replica": "replica-0", "retries": 1,
                             "error_codes": ("engine_unavailable",)}).to_dict()  # fmt: skip
     assert retried["replica"] == "replica-0" and retried["error_codes"] == ["engine_unavailable"]
+
+
+async def test_replicas_feed_the_router_an_exact_index_over_zmq(served):
+    from once.bench.replay.replicas import open_fleet
+    from once.router.index import ExactPrefixIndex
+
+    folder, _ = served
+    async with open_fleet(
+        folder, count=2, max_model_len=MAX_LEN, kv_cache_gib=0.05, policy="round_robin"
+    ) as fleet:
+        await asyncio.sleep(0.3)  # the ZMQ subscriptions reach the publishers
+        prompt = tuple(range(1, 100))  # 6 full blocks of 16
+        request = GenerateRequest("z", prompt, SamplingParams(max_tokens=2))
+        async for _ in fleet.router.generate(request):
+            pass
+        served_by = [r for r in fleet.router.replicas if r.counters["num_finished"]][0]
+        assert isinstance(served_by.prefix_index, ExactPrefixIndex)
+        for _ in range(100):  # events arrive asynchronously
+            if len(served_by.prefix_index) == 6:
+                break
+            await asyncio.sleep(0.02)
+        assert len(served_by.prefix_index) == 6  # exactly the engine's cached blocks
+        others = [r for r in fleet.router.replicas if r is not served_by]
+        assert all(len(r.prefix_index) == 0 for r in others)

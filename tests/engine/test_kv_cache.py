@@ -69,6 +69,7 @@ def test_whole_prompt_hit_leaves_last_token_to_compute():
 
 def test_free_order_evicts_tail_before_head():
     pool = BlockPool(6, 4)
+    pool.record_events = True
     kv = KVCacheManager(pool)
     a = make_request("a", range(12))
     kv.allocate(a, 12)  # blocks 0,1,2 all full and cached
@@ -102,6 +103,7 @@ def test_hit_on_free_cached_block_revives_it_from_the_queue():
 
 def test_stored_events_carry_parent_chain_and_tokens():
     pool = BlockPool(4, 2)
+    pool.record_events = True
     kv = KVCacheManager(pool)
     kv.allocate(make_request("a", [5, 6, 7, 8, 9]), 5)
     stored = [e for e in pool.take_events() if isinstance(e, BlockStored)]
@@ -115,6 +117,7 @@ def test_stored_events_carry_parent_chain_and_tokens():
 
 def test_reset_only_when_idle_and_emits_all_cleared():
     pool = BlockPool(4, 2)
+    pool.record_events = True
     kv = KVCacheManager(pool)
     a = make_request("a", [1, 2, 3])
     kv.allocate(a, 3)
@@ -139,3 +142,16 @@ def test_hash_collision_is_caught_by_token_check():
     pool.cache_block(block, 1234, None, [1, 2])
     assert pool.get_cached_block(1234, [1, 2]) is block
     assert pool.get_cached_block(1234, [3, 4]) is None
+
+
+def test_events_are_kept_only_when_asked_for():
+    pool = BlockPool(4, 2)
+    kv = KVCacheManager(pool)
+    a = make_request("a", range(4))
+    kv.allocate(a, 4)
+    kv.free(a)
+    assert pool.take_events() == []  # no consumer: nothing accumulates
+    pool.record_events = True
+    b = make_request("b", range(10, 14))
+    kv.allocate(b, 4)
+    assert [type(e) for e in pool.take_events()] == [BlockStored, BlockStored]

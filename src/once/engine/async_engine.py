@@ -118,6 +118,7 @@ class AsyncEngine:
                     continue
                 started = self._clock()
                 deltas = self.engine.step()
+                self.engine.publish_kv_events()  # before the tokens: routers see blocks first
                 if self._slowdown > 1.0:
                     pause_s = (self._slowdown - 1.0) * (self._clock() - started)
                     self.throttle_sleep_s += pause_s

@@ -25,6 +25,8 @@ class EngineConfig:
     speculative_method: str = ""
     num_speculative_tokens: int = 8  # most draft tokens verified per request per step
     draft_model: str = ""  # the draft model of method "draft" (same tokenizer as model)
+    # Publish KV events over ZMQ as vLLM does (e.g. "tcp://127.0.0.1:5557"); "" is off.
+    kv_events_endpoint: str = ""
     # >= 1: after each step the loop sleeps (slowdown - 1) x the step's wall time, so the
     # engine runs at 1/slowdown of its speed (a throttled replica for routing benchmarks).
     slowdown: float = 1.0

@@ -67,6 +67,12 @@ class LLMEngine:
             config.device,
         )
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.kv_publisher = None
+        if config.kv_events_endpoint:
+            from once.engine.kv.publisher import ZmqKVEventPublisher
+
+            self.kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint)
+            self.enable_kv_events()
         self.connector = connector
         self.kv = KVCacheManager(self.pool, connector, self._load_block)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
@@ -333,8 +339,17 @@ class LLMEngine:
             **self.spec.to_stats(),
         }
 
+    def enable_kv_events(self) -> None:
+        """Keep KV events for a consumer (they are dropped until one asks)."""
+        self.pool.record_events = True
+
     def take_kv_events(self):
         return self.pool.take_events()
+
+    def publish_kv_events(self) -> None:
+        """Send the events since the last call to the ZMQ publisher, if there is one."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.pool.take_events())
 
     def generate(self, requests: list[GenerateRequest]) -> dict[str, list[TokenDelta]]:
         """Run requests to completion (offline use, tests, benchmarks)."""

@@ -97,7 +97,10 @@ class Replica:
         self.index = index
         self.block_size = block_size
         self.kv_blocks_total = kv_blocks_total
-        self.prefix_index = prefix_index or ApproximatePrefixIndex(kv_blocks_total)
+        # `is None`, not `or`: an empty exact index is falsy (it has a length).
+        if prefix_index is None:
+            prefix_index = ApproximatePrefixIndex(kv_blocks_total)
+        self.prefix_index = prefix_index
         # A callable returning new KV events (e.g. LLMEngine.take_kv_events) for an exact
         # index fed in process; remote sources push into the index themselves.
         self.kv_event_source = kv_event_source
@@ -276,6 +279,7 @@ def in_process_replica(name: str, async_engine, *, index: int) -> Replica:
     `LLMEngine.take_kv_events()` (drained before each routing decision). The engine hashes
     blocks like the router, so its hashes are used as they are."""
     core = async_engine.engine
+    core.enable_kv_events()
     return Replica(
         name,
         async_engine,

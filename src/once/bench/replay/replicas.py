@@ -38,6 +38,7 @@ import httpx
 
 from once.engine.client import RemoteEngineClient
 from once.protocol.errors import OnceError
+from once.router.index import ExactPrefixIndex, zmq_event_subscriber
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
 
@@ -58,6 +59,7 @@ class ReplicaProcess:
     slowdown: float
     process: subprocess.Popen
     stderr_path: Path
+    kv_events_endpoint: str = ""  # where it publishes KV events (ZMQ), "" for none
 
     @property
     def url(self) -> str:
@@ -91,6 +93,7 @@ def engine_command(
     prefix_caching: bool,
     slowdown: float,
     speculative_method: str = "",
+    kv_events_endpoint: str = "",
 ) -> list[str]:
     command = [
         sys.executable, "-m", "once.cli", "engine",
@@ -107,6 +110,8 @@ def engine_command(
         command += ["--slowdown", str(slowdown)]
     if speculative_method:
         command += ["--speculative-method", speculative_method]
+    if kv_events_endpoint:
+        command += ["--kv-events-endpoint", kv_events_endpoint]
     return command
 
 
@@ -122,6 +127,7 @@ async def start_replicas(
     kv_cache_gib: float,
     prefix_caching: bool = True,
     speculative_method: str = "",
+    kv_events: bool = False,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> AsyncIterator[list[ReplicaProcess]]:
     """`count` replicas named replica-0..N-1; those whose index is in `slow` run at
@@ -136,17 +142,18 @@ async def start_replicas(
         def launch(index: int) -> ReplicaProcess:
             port = free_port()
             speed = slowdown if index in slow else 1.0
+            events = f"tcp://127.0.0.1:{free_port()}" if kv_events else ""
             command = engine_command(
                 model_folder, port, threads=threads, max_model_len=max_model_len,
                 kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching, slowdown=speed,
-                speculative_method=speculative_method,
+                speculative_method=speculative_method, kv_events_endpoint=events,
             )  # fmt: skip
             stderr_path = Path(logs) / f"replica-{index}.{port}.stderr"
             with open(stderr_path, "wb") as stderr:
                 process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr
                 )
-            return ReplicaProcess(f"replica-{index}", port, speed, process, stderr_path)
+            return ReplicaProcess(f"replica-{index}", port, speed, process, stderr_path, events)
 
         try:
             replicas.extend(launch(index) for index in range(count))
@@ -291,17 +298,28 @@ async def open_fleet(
     kv_cache_gib: float,
     prefix_caching: bool = True,
     speculative_method: str = "",
+    exact_index: bool = True,
 ) -> AsyncIterator[Fleet]:
-    """`count` replicas (the last `num_slow` of them slow) behind a `Router(policy)`."""
+    """`count` replicas (the last `num_slow` of them slow) behind a `Router(policy)`.
+
+    exact_index: each replica publishes its KV events over ZMQ (as vLLM does) and the
+    router follows them into an exact prefix index; otherwise the router keeps an
+    approximate one from the prompts it routed."""
     if not 0 <= num_slow <= count:
         raise ValueError(f"slow replicas must be between 0 and {count}, got {num_slow}")
     slow = range(count - num_slow, count)
     async with start_replicas(
         model_folder, count=count, slow=slow, slowdown=slowdown, threads=threads,
         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching,
-        speculative_method=speculative_method,
+        speculative_method=speculative_method, kv_events=exact_index,
     ) as processes:  # fmt: skip
         clients = [RemoteEngineClient(process.url) for process in processes]
+        indices = [ExactPrefixIndex() if exact_index else None for _ in processes]
+        subscribers = [
+            asyncio.create_task(zmq_event_subscriber(process.kv_events_endpoint, index))
+            for process, index in zip(processes, indices, strict=True)
+            if index is not None
+        ]
         try:
             first = await clients[0].stats()
             replicas = [
@@ -311,8 +329,11 @@ async def open_fleet(
                     index=i,
                     block_size=first["block_size"],
                     kv_blocks_total=first["num_kv_blocks_total"],
+                    prefix_index=prefix_index,
                 )
-                for i, (process, client) in enumerate(zip(processes, clients, strict=True))
+                for i, (process, client, prefix_index) in enumerate(
+                    zip(processes, clients, indices, strict=True)
+                )
             ]
             router = Router(replicas, RouterConfig(policy=policy, block_size=first["block_size"]))
             try:
@@ -320,6 +341,9 @@ async def open_fleet(
             finally:
                 await router.aclose()
         finally:
+            for task in subscribers:
+                task.cancel()
+            await asyncio.gather(*subscribers, return_exceptions=True)
             await asyncio.gather(*(client.aclose() for client in clients))
 
 

@@ -39,6 +39,9 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached: dict[int, KVBlock] = {}
+        # KV events are kept only once a consumer asked for them (a router's exact index,
+        # a publisher): nobody would drain them otherwise, and they would grow forever.
+        self.record_events = False
         self.events: list[KVEvent] = []
         self.num_evictions = 0
         # Blocks registered since the last take_newly_cached(): the engine hands them to
@@ -107,7 +110,7 @@ class BlockPool:
         self.cached[block_hash] = block
         if self.track_newly_cached:
             self.newly_cached.append(block)
-        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+        self._record(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
         return True
 
     def _evict(self, block: KVBlock) -> None:
@@ -115,7 +118,7 @@ class BlockPool:
             return
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
-            self.events.append(BlockRemoved([block.block_hash]))
+            self._record(BlockRemoved([block.block_hash]))
             self.num_evictions += 1
         block.block_hash = None
         block.token_ids = None
@@ -127,12 +130,16 @@ class BlockPool:
             block.block_hash = None
             block.token_ids = None
         self.cached.clear()
-        self.events.append(AllBlocksCleared())
+        self._record(AllBlocksCleared())
         return True
 
     def take_newly_cached(self) -> list[KVBlock]:
         blocks, self.newly_cached = self.newly_cached, []
         return blocks
+
+    def _record(self, event: KVEvent) -> None:
+        if self.record_events:
+            self.events.append(event)
 
     def take_events(self) -> list[KVEvent]:
         events, self.events = self.events, []
