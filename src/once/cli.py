@@ -21,6 +21,7 @@ def _engine_config(args):
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=args.draft_model,
         kv_events_endpoint=args.kv_events_endpoint,
+        speculative_adaptive=True if args.speculative_adaptive else None,
     )
 
 
@@ -59,6 +60,11 @@ def _add_engine_flags(parser):
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=None)
     parser.add_argument("--draft-model", default=None, help='the draft model of method "draft"')
+    parser.add_argument(
+        "--speculative-adaptive",
+        action="store_true",
+        help="draft only as many ids per step as pay for their rows (spec/governor.py)",
+    )
     parser.add_argument(
         "--kv-events-endpoint",
         default=None,

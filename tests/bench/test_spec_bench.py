@@ -20,6 +20,7 @@ def result(tmp_path_factory):
         batch=2,
         methods=["ngram", "suffix"],
         num_speculative_tokens=4,
+        adaptive=True,  # the governor's path; the fixed length is the engine tests'
         max_num_batched_tokens=256,
         kv_cache_gib=0.05,
         num_threads=1,

@@ -25,6 +25,9 @@ class EngineConfig:
     speculative_method: str = ""
     num_speculative_tokens: int = 8  # most draft tokens verified per request per step
     draft_model: str = ""  # the draft model of method "draft" (same tokenizer as model)
+    # Draft only as many ids per step as pay for their rows (spec/governor.py), up to
+    # num_speculative_tokens; off: always up to num_speculative_tokens.
+    speculative_adaptive: bool = False
     # Publish KV events over ZMQ as vLLM does (e.g. "tcp://127.0.0.1:5557"); "" is off.
     kv_events_endpoint: str = ""
     # >= 1: after each step the loop sleeps (slowdown - 1) x the step's wall time, so the

@@ -18,6 +18,7 @@ from once.engine.runner import ModelRunner
 from once.engine.sampler import sample
 from once.engine.scheduler import Scheduler
 from once.engine.spec import SpecDecodeStats, make_drafter
+from once.engine.spec.governor import DraftLengthGovernor
 from once.engine.spec.verify import accept_matching, rejection_sample, sampling_probs
 from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
 from once.protocol.errors import (
@@ -96,6 +97,9 @@ class LLMEngine:
         self.step_time_s = 0.0
         self.drafter = make_drafter(config, self.model_config)
         self.spec = SpecDecodeStats(config.num_speculative_tokens)
+        self.governor = None  # cost-aware draft length (config.speculative_adaptive)
+        if config.speculative_adaptive:
+            self.governor = DraftLengthGovernor(config.num_speculative_tokens)
 
     # -- admission -----------------------------------------------------------------------
 
@@ -159,6 +163,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return deltas
+        decode_only = all(s.request.is_decoding for s in out.scheduled)  # before it runs
         started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(out.scheduled)
@@ -210,7 +215,10 @@ class LLMEngine:
                 deltas.append(delta)
 
         self.counters["num_steps"] += 1
-        self.step_time_s += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.step_time_s += elapsed
+        if self.governor is not None and decode_only:
+            self.governor.observe_step(sum(s.num_new_tokens for s in out.scheduled), elapsed)
         return deltas + self._take_pending()
 
     # -- speculative decoding ------------------------------------------------------------
@@ -221,6 +229,10 @@ class LLMEngine:
         if not requests:
             return
         limit = self.config.num_speculative_tokens
+        if self.governor is not None:
+            limit = self.governor.draft_length(len(requests))
+            if limit == 0:
+                return
         max_tokens = [min(limit, r.num_draft_slots) for r in requests]
         for request, k, draft in zip(
             requests, max_tokens, self.drafter.propose(requests, max_tokens), strict=True
@@ -270,6 +282,8 @@ class LLMEngine:
         request.metrics.num_draft_tokens += num_drafts
         request.metrics.num_accepted_tokens += num_accepted
         self.spec.record_verification(num_drafts, num_accepted)
+        if self.governor is not None:
+            self.governor.observe_verification(num_drafts, num_accepted)
         request.clear_draft()
         if not request.is_finished:
             self.kv.trim(request)

@@ -24,6 +24,7 @@ from pathlib import Path
 from once.bench.spec_bench.workload import SpecCall, sample_calls
 from once.engine.config import DEFAULT_MODEL, EngineConfig
 from once.engine.spec import make_drafter
+from once.engine.spec.governor import DraftLengthGovernor
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 _REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -33,6 +34,10 @@ DEFAULT_OUT = _REPO_ROOT / "results" / "bench_spec.json"
 def run_pass(engine, calls: list[SpecCall], batch: int, method: str, forced: bool) -> dict:
     """Run calls in groups of `batch`; returns decode tokens/s and speculation counters."""
     engine.drafter = make_drafter(_with_method(engine.config, method), engine.model_config)
+    # A fresh governor per pass too: what one drafter's acceptance taught does not carry.
+    engine.governor = None
+    if method and engine.config.speculative_adaptive:
+        engine.governor = DraftLengthGovernor(engine.config.num_speculative_tokens)
     counters_before = engine.stats()
     outputs: dict[str, list[int]] = {}
     decode_s, decode_tokens = 0.0, 0
@@ -116,6 +121,7 @@ def run_benchmark(args, log) -> dict:
         num_threads=args.num_threads,
         num_speculative_tokens=args.num_speculative_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_adaptive=getattr(args, "adaptive", False),
     )
     engine = LLMEngine(config)
     batch, methods = args.batch, list(args.methods)
@@ -152,6 +158,7 @@ def run_benchmark(args, log) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "output_tokens": args.output_tokens,
         "num_speculative_tokens": args.num_speculative_tokens,
+        "adaptive": config.speculative_adaptive,
         "best_method": best,
         "mean_acceptance_length": by_method[best]["tokens_per_forward"],
         "vllm_mean_acceptance_length": by_method[best]["mean_acceptance_length"],
@@ -219,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     # at 4k context), and rows past the third are rarely accepted (8 calls: 0.90x at 8,
     # 1.26x at 3, at batch 1).
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="cost-aware draft length (spec/governor.py), up to --num-speculative-tokens",
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--num-threads", type=int, default=0)
