@@ -93,3 +93,38 @@ async def test_router_served_as_an_engine_survives_a_dead_replica():
                 with pytest.raises(EngineDeadError):
                     await collect(client, make_request("c", PROMPT))
         await router.aclose()
+
+
+async def test_routed_http_streams_give_their_connections_back():
+    """More requests than the replica client's connection pool holds: each finished
+    stream must hand its connection back (a leak hangs the next request forever)."""
+    import asyncio
+
+    import httpx
+
+    from once.router.replicas import Replica
+    from once.router.router import Router, RouterConfig
+
+    engine = ScriptedEngine(token_latency_s=0.0)
+    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
+        client = RemoteEngineClient(url, transport=pool)
+        router = Router(
+            [Replica("r", client, index=0, block_size=16, kv_blocks_total=64)],
+            RouterConfig(policy="round_robin"),
+        )
+        try:
+
+            async def run(request_id):
+                request = make_request(request_id, PROMPT, forced=[4, 5])
+                # Read up to the finished delta and stop, as the gateway does.
+                async for delta in router.generate(request):
+                    if delta.finished:
+                        break
+
+            async with asyncio.timeout(20):
+                for i in range(6):
+                    await run(f"r{i}")
+        finally:
+            await router.aclose()
+            await client.aclose()

@@ -262,8 +262,12 @@ class Router:
             while True:
                 config = self.config
                 timeout = config.first_delta_timeout_s if first else config.delta_timeout_s
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for runs each anext in
+                # a task of its own; this way the stream (an HTTP response, for a remote
+                # replica) is advanced and closed from this task only.
                 try:
-                    delta = await asyncio.wait_for(anext(stream), timeout)
+                    async with asyncio.timeout(timeout):
+                        delta = await anext(stream)
                 except StopAsyncIteration:
                     raise EngineDeadError(f"{replica.name} ended the stream unfinished") from None
                 if _is_dead_delta(delta):
