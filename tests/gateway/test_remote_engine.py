@@ -1,0 +1,52 @@
+"""The gateway in front of the router and a remote engine (`once engine` over HTTP): every
+finished response hands its HTTP connection back to the engine client's pool."""
+
+import asyncio
+
+import httpx
+import openai
+
+from once.agent.transport.websocket import WebSocketTransport
+from once.engine.client import RemoteEngineClient
+from once.engine.server import build_engine_app
+from once.gateway.testing import serve_app
+from once.router.replicas import Replica
+from once.router.router import Router, RouterConfig
+from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
+
+
+async def test_finished_responses_give_their_engine_connections_back(runtime):
+    texts = [f"Answer number {i}." for i in range(6)]
+    engine = scripted_texts(runtime, texts)
+    async with serve_app(build_engine_app(engine, model_name=MODEL)) as (engine_url, _):
+        # A pool of 2: a connection kept by a finished response blocks the third call.
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
+        remote = RemoteEngineClient(engine_url, transport=pool)
+        try:
+            router = Router(
+                [Replica("r", remote, index=0, block_size=16, kv_blocks_total=64)],
+                RouterConfig(policy="round_robin"),
+            )
+            async with serve_gateway(runtime, router) as (url, _):
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+                try:
+                    async with asyncio.timeout(30):
+                        for i, text in enumerate(texts[:3]):
+                            stream = await client.responses.create(
+                                model=MODEL, input=f"question {i}", stream=True
+                            )
+                            events = [event async for event in stream]
+                            assert events[-1].type == "response.completed"
+                            assert events[-1].response.output_text == text
+                        transport = WebSocketTransport(client, http_fallback=False)
+                        try:
+                            for i in range(3, 6):
+                                request = {"model": MODEL, "input": f"question {i}"}
+                                response = await transport.create(request)
+                                assert response["status"] == "completed"
+                        finally:
+                            await transport.close()
+                finally:
+                    await client.close()
+        finally:
+            await remote.aclose()
