@@ -17,6 +17,7 @@ from once.engine.spec.draft_model import DraftModelDrafter
 from once.engine.spec.verify import sampling_probs
 from once.engine.testing import make_tiny_model, reference_model
 from once.protocol.engine import GenerateRequest, SamplingParams
+from tests.engine.test_spec_engine import check_drafts_ignore_the_forced_suffix
 
 K = 4
 MAX_TOKENS = 1 + 5 * (K + 1)  # the first token, then 5 verifications of K full drafts
@@ -296,33 +297,7 @@ def test_a_full_pool_drops_idle_states_first(tiny_model_dir):
 
 
 def test_drafts_never_see_the_forced_suffix(tiny_model_dir):
-    prompt = [7, 8, 9, 10, 11] * 8
-    clean = (7, 8, 9, 10, 11) * 4
-    cut = 9
-    poisoned = clean[:cut] + (99,) * (len(clean) - cut)
-    proposals = []
-    for forced in (clean, poisoned):
-        engine = draft_engine(tiny_model_dir, tiny_model_dir)
-        seen: dict[tuple[int, ...], list[int]] = {}
-        propose = engine.drafter.propose
-
-        def spying(requests, max_tokens, propose=propose, seen=seen):
-            drafts = propose(requests, max_tokens)
-            for request, draft in zip(requests, drafts, strict=True):
-                seen[tuple(request.all_token_ids)] = list(draft.token_ids)
-            return drafts
-
-        engine.drafter.propose = spying
-        out = engine.generate([GenerateRequest("p", tuple(prompt), forced_output_ids=forced)])
-        assert tokens_of(out["p"]) == list(forced)
-        proposals.append(seen)
-    before_cut = [c for c in proposals[0] if len(c) <= len(prompt) + cut]
-    assert before_cut
-    for context in before_cut:
-        if context in proposals[1]:
-            assert proposals[0][context] == proposals[1][context]
-    first = min(proposals[0], key=len)
-    assert proposals[1][first] == proposals[0][first]
+    check_drafts_ignore_the_forced_suffix(lambda: draft_engine(tiny_model_dir, tiny_model_dir))
 
 
 def test_draft_vocabulary_must_fit_the_target(tiny_model_dir, baseline, tmp_path):

@@ -164,13 +164,21 @@ def test_forced_copy_is_drafted_and_exact(tiny_model_dir, method):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_drafts_never_see_the_forced_suffix(tiny_model_dir, method):
+    check_drafts_ignore_the_forced_suffix(
+        lambda: make_engine(tiny_model_dir, speculative_method=method)
+    )
+
+
+def check_drafts_ignore_the_forced_suffix(new_engine) -> None:
+    """Replay a forced output, then the same output poisoned after `cut` ids: every draft
+    proposed before the cut must be the same (drafters see committed ids only)."""
     prompt = [7, 8, 9, 10, 11] * 8
     clean = (7, 8, 9, 10, 11) * 4
     cut = 9
     poisoned = clean[:cut] + (99,) * (len(clean) - cut)
     proposals = []
     for forced in (clean, poisoned):
-        engine = make_engine(tiny_model_dir, speculative_method=method)
+        engine = new_engine()
         seen: dict[tuple[int, ...], list[int]] = {}
         propose = engine.drafter.propose
 

@@ -163,7 +163,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return deltas
-        decode_only = all(s.request.is_decoding for s in out.scheduled)  # before it runs
+        # Read before the forward runs (it moves every request on); only the governor uses it.
+        decode_only = self.governor is not None and all(
+            s.request.is_decoding for s in out.scheduled
+        )
         started = time.perf_counter()
         try:
             logits, sampled = self.runner.execute(out.scheduled)
@@ -217,7 +220,7 @@ class LLMEngine:
         self.counters["num_steps"] += 1
         elapsed = time.perf_counter() - started
         self.step_time_s += elapsed
-        if self.governor is not None and decode_only:
+        if decode_only:
             self.governor.observe_step(sum(s.num_new_tokens for s in out.scheduled), elapsed)
         return deltas + self._take_pending()
 
