@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from once.gateway.auth import KeyRing, Tenant
 from once.gateway.capacity import LOAD_REPORT_HEADER, CpuCostMeter
+from once.gateway.input_items import chain_items, page, parse_query
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.responses import ResponsesService
@@ -157,6 +158,16 @@ def build_gateway_app(gateway: Gateway) -> FastAPI:
         if record is None:
             raise ResponseNotFoundError(f"no response with id {response_id!r}", param="id")
         return JSONResponse(record.response)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, http: Request):
+        tenant = gateway.keyring.authenticate(http.headers.get("authorization"))
+        order, limit, after = parse_query(http.query_params)
+        record = await service.store.get(response_id, tenant.name)
+        if record is None:
+            raise ResponseNotFoundError(f"no response with id {response_id!r}", param="id")
+        items = await chain_items(service.store, record, tenant.name)
+        return JSONResponse(page(items, order, limit, after))
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, http: Request):
