@@ -85,10 +85,12 @@ def cmd_engine(args) -> int:
 
     from once.engine.async_engine import AsyncEngine
     from once.engine.server import build_engine_app
+    from once.heap import freeze_startup_heap
 
     config = _engine_config(args)
     engine = AsyncEngine.from_config(config)
     app = build_engine_app(engine, model_name=config.model)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -161,13 +163,16 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from once.gateway.app import build_gateway_app
+    from once.heap import freeze_startup_heap
 
     config = _gateway_config(args)
     gateway = build_gateway(config, _engine_config(args))
     scheme = "https" if config.tls_certfile else "http"
     print(f"once gateway: {scheme}://{config.host}:{config.port}/v1 serving {config.model}")
+    app = build_gateway_app(gateway)
+    freeze_startup_heap()
     uvicorn.run(
-        build_gateway_app(gateway),
+        app,
         host=config.host,
         port=config.port,
         log_level="warning",

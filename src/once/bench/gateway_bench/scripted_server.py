@@ -10,6 +10,7 @@ import uvicorn
 
 from once.engine.loader import resolve_model_path
 from once.engine.scripted import ScriptedEngine
+from once.heap import freeze_startup_heap
 
 MODEL = "smollm2-135m-instruct"
 OUTPUT_TOKENS = 128
@@ -52,6 +53,7 @@ def main() -> None:
         warm_up()
         config = GatewayConfig.load(store="memory", verify_every=0)
         app = build_gateway_app(create_gateway(config, engine, {MODEL: runtime}))
+    freeze_startup_heap()  # as `once serve` and `once engine` do
     uvicorn.run(
         app,
         host="127.0.0.1",
