@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from once.bench.replay.stacks import make_tiny_replay_model
+from once.bench.spec_bench.ceiling import oracle_forwards
 from once.bench.spec_bench.cli import run_benchmark
 
 
@@ -56,3 +57,22 @@ def test_bar_figures_come_from_the_best_drafter(result):
 def test_free_greedy_is_identical_with_every_drafter(result):
     assert result["identical"] is True
     assert result["mismatched_calls"] == []
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_copy_oracle_counts_forwards_like_the_engine(k):
+    # Every output id occurs in the prompt, in order: each forward commits k drafts + 1.
+    assert oracle_forwards([7, 1, 2, 3, 4, 5, 6, 9], [1, 2, 3, 4, 5, 6], k) == -(-6 // (k + 1))
+    # Ids seen nowhere before: one forward each, whatever k.
+    assert oracle_forwards([7, 8], [1, 2, 3, 4], k) == 4
+    # The output copies itself once committed: 5, 6, then "5 6" + bonus 5, then the last.
+    assert oracle_forwards([9], [5, 6, 5, 6, 5, 6], 8) == 4
+
+
+def test_no_drafter_beats_the_copy_oracle(result):
+    # The fixture drafts up to 4 ids from the context: the oracle at k=4 bounds both.
+    by = {(p["batch"], p["method"], p["forced"]): p for p in result["passes"]}
+    for method in ("ngram", "suffix"):
+        assert by[(1, method, True)]["tokens_per_forward"] <= result["copy_ceiling"]["4"]
+    ceiling = list(result["copy_ceiling"].values())
+    assert ceiling == sorted(ceiling) and ceiling[0] >= 1.0

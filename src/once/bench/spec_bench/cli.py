@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from once.bench.spec_bench.ceiling import copy_ceiling
 from once.bench.spec_bench.workload import SpecCall, sample_calls
 from once.engine.config import DEFAULT_MODEL, EngineConfig
 from once.engine.spec import make_drafter
@@ -115,6 +116,10 @@ def run_benchmark(args, log) -> dict:
     tokenizer = load_tokenizer(folder)
     calls = sample_calls(tokenizer, args.num_calls, args.prompt_tokens, args.output_tokens, 0)
     log(f"{len(calls)} calls, prompts cut to {args.prompt_tokens} tokens")
+    ceiling = copy_ceiling(calls)
+    log("copy-oracle tokens per forward by k: " + _format_ceiling(ceiling))
+    if getattr(args, "ceiling_only", False):
+        return {"model": str(folder), "num_calls": len(calls), "copy_ceiling": ceiling}
     config = EngineConfig(
         model=str(folder),
         kv_cache_gib=args.kv_cache_gib,
@@ -167,6 +172,7 @@ def run_benchmark(args, log) -> dict:
         "identical": not mismatched,
         "mismatched_calls": mismatched,
         "tokens_per_forward_by_method": {m: r["tokens_per_forward"] for m, r in by_method.items()},
+        "copy_ceiling": ceiling,
         "speedup_b1_by_method": {
             m: r["decode_tok_s"] / base_b1["decode_tok_s"] for m, r in by_method.items()
         },
@@ -176,6 +182,10 @@ def run_benchmark(args, log) -> dict:
         },
         "passes": passes,
     }
+
+
+def _format_ceiling(ceiling: dict) -> str:
+    return ", ".join(f"{k}: {v:.2f}" for k, v in ceiling.items())
 
 
 def _accumulate(totals: dict, variant: tuple, result: dict) -> None:
@@ -234,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
     parser.add_argument("--num-threads", type=int, default=0)
+    parser.add_argument(
+        "--ceiling-only",
+        action="store_true",
+        help="only the copy oracle's tokens per forward (no model run; see ceiling.py)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
@@ -250,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"once bench spec: {exc}", file=sys.stderr)
         return 2
+    if args.ceiling_only and args.out == DEFAULT_OUT:  # keep the timed results file intact
+        args.out = DEFAULT_OUT.with_name("bench_spec_ceiling.json")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=2)
     args.out.write_text(text + "\n")
