@@ -5,6 +5,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 
 from once.agent.transport.websocket import WebSocketTransport
 from once.engine.client import RemoteEngineClient
@@ -49,4 +50,45 @@ async def test_finished_responses_give_their_engine_connections_back(runtime):
                 finally:
                     await client.close()
         finally:
+            await remote.aclose()
+
+
+@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
+async def test_a_paced_engine_gets_its_connections_back_too(runtime, routed):
+    """Deltas a millisecond apart, as a real engine sends them: the gateway's reader of the
+    engine is still closing the HTTP stream when the final event goes out. Cancelling it
+    there (and aborting a finished request) leaked one pooled connection per response:
+    with a pool of 2 the third response never started."""
+    texts = [f"Paced answer {i}." for i in range(6)]
+    engine = scripted_texts(runtime, texts, token_latency_s=0.001)
+    async with serve_app(build_engine_app(engine, model_name=MODEL)) as (engine_url, _):
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
+        remote = RemoteEngineClient(engine_url, transport=pool)
+        upstream = remote
+        if routed:
+            replica = Replica("r", remote, index=0, block_size=16, kv_blocks_total=64)
+            upstream = Router([replica], RouterConfig(policy="round_robin"))
+        try:
+            async with serve_gateway(runtime, upstream) as (url, _):
+                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+                transport = WebSocketTransport(client, http_fallback=False)
+                try:
+                    async with asyncio.timeout(10):
+                        for i, text in enumerate(texts[:3]):
+                            stream = await client.responses.create(
+                                model=MODEL, input=f"question {i}", stream=True
+                            )
+                            events = [event async for event in stream]
+                            assert events[-1].response.output_text == text
+                        for i, text in enumerate(texts[3:], start=3):
+                            request = {"model": MODEL, "input": f"question {i}"}
+                            response = await transport.create(request)
+                            assert response["status"] == "completed"
+                            assert response["output"][0]["content"][0]["text"] == text
+                finally:
+                    await transport.close()
+                    await client.close()
+        finally:
+            if routed:
+                await upstream.aclose()
             await remote.aclose()

@@ -128,3 +128,69 @@ async def test_routed_http_streams_give_their_connections_back():
         finally:
             await router.aclose()
             await client.aclose()
+
+
+async def test_a_reader_cancelled_after_the_finished_delta_gives_the_connection_back():
+    """The gateway cancels its engine reader once the finished delta is in hand, while the
+    router is still closing the replica's HTTP stream. The close must survive that cancel:
+    cut, it leaves the connection checked out of the pool (its socket in CLOSE-WAIT), and
+    with a pool of 2 the third request waits forever."""
+    import asyncio
+
+    import httpx
+
+    from once.router.replicas import Replica
+    from once.router.router import Router, RouterConfig
+
+    engine = ScriptedEngine(token_latency_s=0.001)
+    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
+        client = RemoteEngineClient(url, transport=pool)
+        router = Router(
+            [Replica("r", client, index=0, block_size=16, kv_blocks_total=64)],
+            RouterConfig(policy="round_robin"),
+        )
+
+        async def read(request, finished: asyncio.Event):
+            async for delta in router.generate(request):
+                if delta.finished:
+                    finished.set()  # and read on, into the router's close of the stream
+
+        try:
+            async with asyncio.timeout(5):
+                for i in range(6):
+                    finished = asyncio.Event()
+                    reader = asyncio.create_task(read(make_request(f"r{i}", PROMPT), finished))
+                    await finished.wait()
+                    reader.cancel()  # as the gateway's StreamRunner does after the last delta
+                    await asyncio.gather(reader, return_exceptions=True)
+        finally:
+            await router.aclose()
+            await client.aclose()
+
+
+async def test_a_drained_connection_pool_is_engine_unavailable_not_a_hang():
+    """Every pooled connection held (here by one slow stream, pool of 1): the next request
+    waits `pool_timeout_s` for a connection, then fails as `engine_unavailable`."""
+    import asyncio
+
+    import httpx
+
+    from once.engine.client import DEFAULT_TIMEOUT, POOL_TIMEOUT_S
+    from once.router.serve import remote_engine_client
+
+    assert DEFAULT_TIMEOUT.pool == POOL_TIMEOUT_S < float("inf")  # every client, by default
+    engine = ScriptedEngine(token_latency_s=0.5)
+    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1))
+        client = remote_engine_client(url, pool_timeout_s=0.2, transport=pool)
+        try:
+            holder = client.generate(make_request("holder", PROMPT, max_tokens=20))
+            await anext(holder)  # the pool's only connection is now streaming
+            async with asyncio.timeout(10):
+                with pytest.raises(EngineDeadError, match="PoolTimeout") as excinfo:
+                    await collect(client, make_request("starved", PROMPT))
+            assert excinfo.value.code == "engine_unavailable"
+            await holder.aclose()
+        finally:
+            await client.aclose()

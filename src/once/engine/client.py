@@ -15,8 +15,11 @@ from once.protocol.engine import GenerateRequest, TokenDelta
 from once.protocol.errors import EngineDeadError, OnceError, error_from_dict
 
 # No read timeout by default: a long prefill on CPU can keep the first delta away for
-# minutes, and a stream between tokens is idle by design. Connecting must be quick.
-DEFAULT_TIMEOUT = httpx.Timeout(None, connect=5.0)
+# minutes, and a stream between tokens is idle by design. Connecting must be quick, and a
+# wait for a pooled connection is bounded: a drained pool (a replica flooded past the
+# pool's 100 connections, or connections leaked) is then `engine_unavailable`, not a hang.
+POOL_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT = httpx.Timeout(None, connect=5.0, pool=POOL_TIMEOUT_S)
 
 
 def _error_from_response(status_code: int, body: bytes) -> OnceError:

@@ -107,6 +107,7 @@ class ResponsesService:
         self._num_incremental = 0
         self._on_cpu = on_cpu or (lambda stage, cpu_s, tokens: None)
         self._verifications: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # engine streams winding down
 
     # -- before the first event ------------------------------------------------------------
 
@@ -260,6 +261,11 @@ class ResponsesService:
         """Wait for the background verifications (tests, and a clean shutdown)."""
         while self._verifications:
             await asyncio.gather(*list(self._verifications), return_exceptions=True)
+
+    def keep_until_done(self, task: asyncio.Task) -> None:
+        """Hold a reference to a task left to finish on its own (the loop keeps weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def start_verification(self, prepared: Prepared) -> asyncio.Task | None:
         """The sampled check of an incremental prompt, run beside generation."""

@@ -76,8 +76,15 @@ class StreamRunner:
             yield self.builder.finished("failed", used, error=error)
         finally:
             if not pump.done():
-                pump.cancel()
-                await service.engine.abort(self.request_id)
+                if self.engine_done.is_set():
+                    # The engine finished; the pump is only closing its stream (for a
+                    # remote engine, handing the HTTP connection back to its pool). Cut
+                    # there by a cancel, the connection would never go back; and a
+                    # finished request has nothing to abort.
+                    service.keep_until_done(pump)
+                else:
+                    pump.cancel()
+                    await service.engine.abort(self.request_id)
             if self.check is not None:
                 self.check.cancel()
 

@@ -79,6 +79,11 @@ class RouterConfig:
             raise ValueError("health_interval_s and probe_timeout_s must be > 0")
 
 
+async def _aclose_quietly(stream: AsyncIterator[TokenDelta]) -> None:
+    with contextlib.suppress(Exception):
+        await stream.aclose()
+
+
 class ReplicaFailure(Exception):
     """Internal: the replica, not the request, failed."""
 
@@ -109,6 +114,7 @@ class Router:
         self.decisions: deque[tuple[str, str]] = deque(maxlen=self.config.max_decisions)
         self._where: dict[str, Replica] = {}  # request id -> replica serving it now
         self._health_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # replica streams being closed
         self.counters = dict.fromkeys(
             (
                 "num_requests",
@@ -211,6 +217,7 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        await asyncio.gather(*self._closing, return_exceptions=True)  # before the clients go
 
     def _ensure_health_loop(self) -> None:
         if self._health_task is None or self._health_task.done():
@@ -304,5 +311,17 @@ class Router:
                 replica.on_abandon(request.request_id)
             if self._where.get(request.request_id) is replica:
                 del self._where[request.request_id]
-            with contextlib.suppress(Exception):
-                await stream.aclose()
+            await self._close_stream(stream)
+
+    async def _close_stream(self, stream: AsyncIterator[TokenDelta]) -> None:
+        """Close a replica's stream in a task of its own, shielded from our cancellation.
+
+        A caller often cancels its reader right after the finished delta, which is when
+        this finally is closing the replica's stream; for a remote replica that means
+        releasing an HTTP connection (httpcore's own shields do not stop asyncio's
+        cancel). Cut there, the connection stays checked out of the pool forever and its
+        socket sits in CLOSE-WAIT: a hundred such requests and the pool is dry."""
+        closing = asyncio.ensure_future(_aclose_quietly(stream))
+        self._closing.add(closing)
+        closing.add_done_callback(self._closing.discard)
+        await asyncio.shield(closing)

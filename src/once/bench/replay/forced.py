@@ -15,6 +15,7 @@ call forces the same output.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -72,16 +73,19 @@ class ForcedOutputEngine:
         forced_request = replace(request, forced_output_ids=forced)
         completed = False
         try:
-            async for delta in self.inner.generate(forced_request):
-                if record.first_token_s is None and delta.token_ids:
-                    record.first_token_s = time.perf_counter() - started
-                if delta.num_cached_tokens is not None:
-                    record.num_cached_tokens = delta.num_cached_tokens
-                if delta.finished:
-                    record.finish_reason = delta.finish_reason
-                    record.metrics = delta.metrics
-                    completed = delta.finish_reason not in (FINISH_ERROR, FINISH_ABORT)
-                yield delta
+            # aclosing: closed with this generator, the inner stream (a routed request's
+            # HTTP response) is closed now, not whenever the garbage collector finds it.
+            async with contextlib.aclosing(self.inner.generate(forced_request)) as deltas:
+                async for delta in deltas:
+                    if record.first_token_s is None and delta.token_ids:
+                        record.first_token_s = time.perf_counter() - started
+                    if delta.num_cached_tokens is not None:
+                        record.num_cached_tokens = delta.num_cached_tokens
+                    if delta.finished:
+                        record.finish_reason = delta.finish_reason
+                        record.metrics = delta.metrics
+                        completed = delta.finish_reason not in (FINISH_ERROR, FINISH_ABORT)
+                    yield delta
         finally:
             if not completed:  # the call will be retried: it must force the same output
                 queue.appendleft(forced)
