@@ -99,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn  # noqa: PLC0415 - only when serving
 
     from once.engine.server import build_engine_app  # noqa: PLC0415
+    from once.heap import freeze_startup_heap  # noqa: PLC0415
 
     app = build_engine_app(router, model_name=args.served_model_name)
+    freeze_startup_heap()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
