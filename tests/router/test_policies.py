@@ -243,7 +243,8 @@ def test_once_policy_keeps_a_session_home_unless_clearly_slower():
 
 
 def test_once_policy_does_not_leave_a_cached_home_for_its_pending_decodes():
-    policy = PredictedTTFT(affinity_margin=0.25)
+    # With the decode term on (the default is 0), it still never moves a session.
+    policy = PredictedTTFT(affinity_margin=0.25, decode_weight=0.5)
     rng = random.Random(0)
     home = policy.choose(request(160, session_key="s"), idle(2), rng)
     other = 1 - home
