@@ -179,7 +179,7 @@ class StreamRunner:
 
     def _on_deltas(self, items, detok, parser) -> tuple[list[dict], bool]:
         events: list[dict] = []
-        text_parts: list[str] = []
+        new_ids: list[int] = []  # the batch's ids, detokenized in one call
         for delta in items:
             if isinstance(delta, OnceError):
                 raise delta
@@ -189,14 +189,14 @@ class StreamRunner:
                 self.cached_tokens = delta.num_cached_tokens
             if self.prepared.request.generate:
                 self.output_ids.extend(delta.token_ids)
-                text_parts.append(detok.push(delta.token_ids))
+                new_ids.extend(delta.token_ids)
             if delta.finished:
                 self.finish_reason = delta.finish_reason
                 if delta.finish_reason == FINISH_ERROR:
                     error = delta.error or {}
                     raise OnceError(error.get("message", "the engine failed this request"))
                 break
-        text = "".join(text_parts)
+        text = detok.push(new_ids) if new_ids else ""
         if text:
             events.extend(self._text_events(text, parser))
         return events, self.finish_reason is not None
