@@ -16,51 +16,21 @@ from once.router.router import Router, RouterConfig
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 
-async def test_finished_responses_give_their_engine_connections_back(runtime):
+@pytest.mark.parametrize(
+    "routed, token_latency_s",
+    [(True, 0.0), (False, 0.001), (True, 0.001)],
+    ids=["routed-burst", "direct-paced", "routed-paced"],
+)
+async def test_finished_responses_give_their_engine_connections_back(
+    runtime, routed, token_latency_s
+):
+    """A pool of 2 connections: one kept by a finished response blocks the third call.
+    Paced deltas (a millisecond apart, as a real engine sends them) are the hard case: the
+    gateway's reader of the engine is still closing the HTTP stream when the final event
+    goes out, and cancelling it there (or aborting a finished request) leaked one pooled
+    connection per response."""
     texts = [f"Answer number {i}." for i in range(6)]
-    engine = scripted_texts(runtime, texts)
-    async with serve_app(build_engine_app(engine, model_name=MODEL)) as (engine_url, _):
-        # A pool of 2: a connection kept by a finished response blocks the third call.
-        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
-        remote = RemoteEngineClient(engine_url, transport=pool)
-        try:
-            router = Router(
-                [Replica("r", remote, index=0, block_size=16, kv_blocks_total=64)],
-                RouterConfig(policy="round_robin"),
-            )
-            async with serve_gateway(runtime, router) as (url, _):
-                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
-                try:
-                    async with asyncio.timeout(30):
-                        for i, text in enumerate(texts[:3]):
-                            stream = await client.responses.create(
-                                model=MODEL, input=f"question {i}", stream=True
-                            )
-                            events = [event async for event in stream]
-                            assert events[-1].type == "response.completed"
-                            assert events[-1].response.output_text == text
-                        transport = WebSocketTransport(client, http_fallback=False)
-                        try:
-                            for i in range(3, 6):
-                                request = {"model": MODEL, "input": f"question {i}"}
-                                response = await transport.create(request)
-                                assert response["status"] == "completed"
-                        finally:
-                            await transport.close()
-                finally:
-                    await client.close()
-        finally:
-            await remote.aclose()
-
-
-@pytest.mark.parametrize("routed", [False, True], ids=["direct", "routed"])
-async def test_a_paced_engine_gets_its_connections_back_too(runtime, routed):
-    """Deltas a millisecond apart, as a real engine sends them: the gateway's reader of the
-    engine is still closing the HTTP stream when the final event goes out. Cancelling it
-    there (and aborting a finished request) leaked one pooled connection per response:
-    with a pool of 2 the third response never started."""
-    texts = [f"Paced answer {i}." for i in range(6)]
-    engine = scripted_texts(runtime, texts, token_latency_s=0.001)
+    engine = scripted_texts(runtime, texts, token_latency_s=token_latency_s)
     async with serve_app(build_engine_app(engine, model_name=MODEL)) as (engine_url, _):
         pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
         remote = RemoteEngineClient(engine_url, transport=pool)

@@ -17,6 +17,29 @@ from tests.router.fakes import collect, make_request
 PROMPT = list(range(1, 49))
 
 
+@contextlib.asynccontextmanager
+async def router_over_http(engine):
+    """A router over `engine` served by `once engine`'s app, through a 2-connection pool:
+    a connection that a finished request keeps makes the third request wait forever."""
+    import httpx
+
+    from once.router.replicas import Replica
+    from once.router.router import Router, RouterConfig
+
+    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
+        client = RemoteEngineClient(url, transport=pool)
+        router = Router(
+            [Replica("r", client, index=0, block_size=16, kv_blocks_total=64)],
+            RouterConfig(policy="round_robin"),
+        )
+        try:
+            yield router
+        finally:
+            await router.aclose()
+            await client.aclose()
+
+
 def test_parser_builds_the_configured_router():
     args = build_parser().parse_args(
         [
@@ -100,34 +123,18 @@ async def test_routed_http_streams_give_their_connections_back():
     stream must hand its connection back (a leak hangs the next request forever)."""
     import asyncio
 
-    import httpx
+    async with router_over_http(ScriptedEngine(token_latency_s=0.0)) as router:
 
-    from once.router.replicas import Replica
-    from once.router.router import Router, RouterConfig
+        async def run(request_id):
+            request = make_request(request_id, PROMPT, forced=[4, 5])
+            # Read up to the finished delta and stop, as the gateway does.
+            async for delta in router.generate(request):
+                if delta.finished:
+                    break
 
-    engine = ScriptedEngine(token_latency_s=0.0)
-    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
-        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
-        client = RemoteEngineClient(url, transport=pool)
-        router = Router(
-            [Replica("r", client, index=0, block_size=16, kv_blocks_total=64)],
-            RouterConfig(policy="round_robin"),
-        )
-        try:
-
-            async def run(request_id):
-                request = make_request(request_id, PROMPT, forced=[4, 5])
-                # Read up to the finished delta and stop, as the gateway does.
-                async for delta in router.generate(request):
-                    if delta.finished:
-                        break
-
-            async with asyncio.timeout(20):
-                for i in range(6):
-                    await run(f"r{i}")
-        finally:
-            await router.aclose()
-            await client.aclose()
+        async with asyncio.timeout(20):
+            for i in range(6):
+                await run(f"r{i}")
 
 
 async def test_a_reader_cancelled_after_the_finished_delta_gives_the_connection_back():
@@ -137,36 +144,20 @@ async def test_a_reader_cancelled_after_the_finished_delta_gives_the_connection_
     with a pool of 2 the third request waits forever."""
     import asyncio
 
-    import httpx
-
-    from once.router.replicas import Replica
-    from once.router.router import Router, RouterConfig
-
-    engine = ScriptedEngine(token_latency_s=0.001)
-    async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
-        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=2))
-        client = RemoteEngineClient(url, transport=pool)
-        router = Router(
-            [Replica("r", client, index=0, block_size=16, kv_blocks_total=64)],
-            RouterConfig(policy="round_robin"),
-        )
+    async with router_over_http(ScriptedEngine(token_latency_s=0.001)) as router:
 
         async def read(request, finished: asyncio.Event):
             async for delta in router.generate(request):
                 if delta.finished:
                     finished.set()  # and read on, into the router's close of the stream
 
-        try:
-            async with asyncio.timeout(5):
-                for i in range(6):
-                    finished = asyncio.Event()
-                    reader = asyncio.create_task(read(make_request(f"r{i}", PROMPT), finished))
-                    await finished.wait()
-                    reader.cancel()  # as the gateway's StreamRunner does after the last delta
-                    await asyncio.gather(reader, return_exceptions=True)
-        finally:
-            await router.aclose()
-            await client.aclose()
+        async with asyncio.timeout(5):
+            for i in range(6):
+                finished = asyncio.Event()
+                reader = asyncio.create_task(read(make_request(f"r{i}", PROMPT), finished))
+                await finished.wait()
+                reader.cancel()  # as the gateway's StreamRunner does after the last delta
+                await asyncio.gather(reader, return_exceptions=True)
 
 
 async def test_a_drained_connection_pool_is_engine_unavailable_not_a_hang():
