@@ -17,6 +17,7 @@ from once.engine.spec.draft_model import DraftModelDrafter
 from once.engine.spec.verify import sampling_probs
 from once.engine.testing import make_tiny_model, reference_model
 from once.protocol.engine import GenerateRequest, SamplingParams
+from tests.engine.test_spec_engine import check_block_accounting as check_target_block_accounting
 from tests.engine.test_spec_engine import check_drafts_ignore_the_forced_suffix
 
 K = 4
@@ -87,15 +88,10 @@ def baseline(tiny_model_dir):
 
 
 def check_block_accounting(engine):
-    # Target: each running request holds exactly the blocks of its computed tokens.
-    # Draft pool: the states' blocks and the free list partition it.
+    # Target: as with every drafter. Draft pool: the states' blocks and the free list
+    # partition it.
+    check_target_block_accounting(engine)
     bs = engine.config.block_size
-    held = set()
-    for request in engine.scheduler.running:
-        blocks = engine.kv.req_blocks[request.request_id]
-        assert len(blocks) == -(-request.num_computed_tokens // bs), request.request_id
-        held.update(b.block_id for b in blocks)
-    assert engine.pool.num_used_blocks == len(held)
     drafter = engine.drafter
     draft_held = [b for s in drafter.states.values() for b in s.block_ids]
     assert sorted(draft_held + drafter.free_blocks) == list(range(drafter.kv_cache.num_blocks))

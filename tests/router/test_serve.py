@@ -168,13 +168,13 @@ async def test_a_drained_connection_pool_is_engine_unavailable_not_a_hang():
     import httpx
 
     from once.engine.client import DEFAULT_TIMEOUT, POOL_TIMEOUT_S
-    from once.router.serve import remote_engine_client
 
     assert DEFAULT_TIMEOUT.pool == POOL_TIMEOUT_S < float("inf")  # every client, by default
     engine = ScriptedEngine(token_latency_s=0.5)
     async with serve_app(build_engine_app(engine, model_name="s")) as (url, _):
         pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=1))
-        client = remote_engine_client(url, pool_timeout_s=0.2, transport=pool)
+        timeout = httpx.Timeout(None, connect=5.0, pool=0.2)
+        client = RemoteEngineClient(url, timeout=timeout, transport=pool)
         try:
             holder = client.generate(make_request("holder", PROMPT, max_tokens=20))
             await anext(holder)  # the pool's only connection is now streaming

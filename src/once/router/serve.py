@@ -13,22 +13,11 @@ approximate here; for vLLM's exact KV events see router.py.
 import argparse
 from collections.abc import Sequence
 
-import httpx
-
-from once.engine.client import DEFAULT_TIMEOUT, POOL_TIMEOUT_S, RemoteEngineClient
+from once.engine.client import RemoteEngineClient
 from once.router.openai_replica import OpenAICompletionsClient
 from once.router.policies import POLICIES
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
-
-
-def remote_engine_client(
-    url: str, *, pool_timeout_s: float = POOL_TIMEOUT_S, **kwargs
-) -> RemoteEngineClient:
-    """A `RemoteEngineClient` for a replica whose wait for a pooled connection is bounded
-    (a drained pool is `engine_unavailable`, which the router fails over from)."""
-    timeout = httpx.Timeout(None, connect=DEFAULT_TIMEOUT.connect, pool=pool_timeout_s)
-    return RemoteEngineClient(url, timeout=timeout, **kwargs)
 
 
 def parse_policy_param(text: str) -> tuple[str, float]:
@@ -80,7 +69,7 @@ def build_router(args: argparse.Namespace) -> Router:
         health_interval_s=args.health_interval,
         seed=args.seed,
     )
-    clients = [(url, remote_engine_client(url)) for url in args.engine_url]
+    clients = [(url, RemoteEngineClient(url)) for url in args.engine_url]
     clients += [(url, OpenAICompletionsClient(url, args.openai_model)) for url in args.openai_url]
     replicas = [
         Replica(url, client, index=i, block_size=args.block_size, kv_blocks_total=args.kv_blocks)

@@ -41,7 +41,6 @@ from once.protocol.errors import OnceError
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
-from once.router.serve import remote_engine_client
 
 STARTUP_TIMEOUT_S = 120.0  # importing torch and loading weights on a busy 2-core machine
 STOP_TIMEOUT_S = 10.0
@@ -314,7 +313,7 @@ async def open_fleet(
         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching,
         speculative_method=speculative_method, kv_events=exact_index,
     ) as processes:  # fmt: skip
-        clients = [remote_engine_client(process.url) for process in processes]
+        clients = [RemoteEngineClient(process.url) for process in processes]
         indices = [ExactPrefixIndex() if exact_index else None for _ in processes]
         subscribers = [
             asyncio.create_task(zmq_event_subscriber(process.kv_events_endpoint, index))
