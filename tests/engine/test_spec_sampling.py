@@ -17,7 +17,9 @@ def target_rows(tiny_reference, context, params):
 
 
 def binned(probs: torch.Tensor, top: list[int]) -> list[float]:
-    return [float(probs[t]) for t in top] + [1.0 - float(probs[top].sum())]
+    """The top ids' probabilities and the rest's, summing to 1 in float64 (chisquare checks)."""
+    top_probs = [float(probs[t]) for t in top]
+    return top_probs + [1.0 - sum(top_probs)]
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
