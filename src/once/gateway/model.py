@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 from pathlib import Path
 
+from once.gateway.detok import contiguous_vocab_bound
 from once.gateway.render import PromptRenderer
 from once.gateway.tokens import PromptBuilder
 
@@ -22,6 +23,7 @@ class ModelRuntime:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        contiguous_vocab_bound(tokenizer.backend_tokenizer)  # computed once, not by a request
         renderer = PromptRenderer(tokenizer)
         return cls(
             name=name,

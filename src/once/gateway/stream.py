@@ -3,14 +3,13 @@
 `ResponsesService.stream_batches` runs one `StreamRunner` per response. It dispatches to
 the engine and starts the input check (and, on a sample, the verification of an
 incremental prompt) at the same moment; it coalesces the deltas that are ready into one
-batch of events; it detokenizes with `DecodeStream` and parses `<tool_call>` blocks;
-under the `hold` policy it keeps output back until the check passes. The conversation
-state is saved before the final event goes out, since a client continues the moment it
-sees it.
+batch of events; it detokenizes (DecodeStream's algorithm, one decode per batch) and
+parses `<tool_call>` blocks; under the `hold` policy it keeps output back until the check
+passes. The conversation state is saved before the final event goes out, since a client
+continues the moment it sees it.
 """
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -46,6 +45,7 @@ class StreamRunner:
         self.last_batch_at = 0.0
         self.verification: asyncio.Task | None = None
         self.engine_done = asyncio.Event()
+        self._interval_waiter: asyncio.Future | None = None  # see _next
 
     async def run(self) -> AsyncIterator[list[dict]]:
         service, prepared = self.service, self.prepared
@@ -144,34 +144,51 @@ class StreamRunner:
             async for delta in self.service.engine.generate(engine_request):
                 deltas.put_nowait(delta)
                 if delta.finished:
-                    self.engine_done.set()
+                    self._set_engine_done()
         except Exception as e:  # noqa: BLE001 - handed to the consumer as a failure
             deltas.put_nowait(e)
+        self._set_engine_done()
+
+    def _set_engine_done(self) -> None:
         self.engine_done.set()
+        if self._interval_waiter is not None and not self._interval_waiter.done():
+            self._interval_waiter.set_result(None)  # the last delta ends the interval early
 
     async def _next(self, deltas: asyncio.Queue, check):
         """All deltas available now (coalesced), or None when the check finishes first.
 
-        Stream interval: a delta arriving within `stream_interval_s` of the previous batch
-        waits out the rest of the interval, gathering what follows. A paced engine (a
-        token every few ms or more) is never delayed; a burst becomes one batch, so the
-        per-event cost is paid per batch, not per token.
+        Stream interval: after a batch, the next one is not taken before `stream_interval_s`
+        has passed; what the engine delivered meanwhile goes out together. A paced engine (a
+        token every few ms or more) is never delayed: its delta finds the interval over. A
+        burst becomes one batch per interval, and the consumer wakes once per batch (on the
+        interval's timer), not once per delta; the engine's last delta ends the wait early,
+        so the final event is never held back. A check that finishes during the wait is
+        handled after it (at most one interval later).
         """
-        if deltas.empty() and check is not None:
-            getter = asyncio.ensure_future(deltas.get())
-            done, _ = await asyncio.wait({getter, check}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                return None
-            items = [getter.result()]
-        else:
-            items = [await deltas.get()]
-        interval = self.service.stream_interval_s
-        wait = self.last_batch_at + interval - time.perf_counter()
-        if wait > 0 and not _finished(items[-1]):
-            # The last delta ends the wait early: the final event is never held back.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.engine_done.wait(), wait)
+        wait = self.last_batch_at + self.service.stream_interval_s - time.perf_counter()
+        if wait > 0 and not self.engine_done.is_set():
+            # A future and a timer, not wait_for(Event.wait()), which costs a task per batch.
+            loop = asyncio.get_running_loop()
+            self._interval_waiter = waiter = loop.create_future()
+            timer = loop.call_later(wait, _resolve, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._interval_waiter = None
+        items = []
+        if deltas.empty():
+            if check is not None and not check.done():
+                getter = asyncio.ensure_future(deltas.get())
+                done, _ = await asyncio.wait({getter, check}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    return None
+                items.append(getter.result())
+            elif check is not None:
+                return None  # the check finished first: the caller handles it
+            else:
+                items.append(await deltas.get())
         while not deltas.empty():
             items.append(deltas.get_nowait())
         self.last_batch_at = time.perf_counter()
@@ -252,6 +269,11 @@ class StreamRunner:
             self.builder.response["output"] = []
             self.builder._open_message = None
         return self.builder.finished("incomplete", used, reason="content_filter")
+
+
+def _resolve(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _finished(item) -> bool:
