@@ -6,6 +6,7 @@ notice, count it and render that chain in full from then on.
 """
 
 import asyncio
+import threading
 from dataclasses import replace
 
 import openai
@@ -30,7 +31,7 @@ from once.engine.scripted import ScriptedEngine
 from once.gateway.auth import DEFAULT_TENANT
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.render import NotIncrementalError
-from once.gateway.responses import ConnectionCache, ResponsesService
+from once.gateway.responses import INLINE_RENDER_CHARS, ConnectionCache, ResponsesService
 from once.gateway.store import open_store
 from once.gateway.tokens import FULL, INCREMENTAL, ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
@@ -372,3 +373,28 @@ async def final_event(socket, timeout_s: float = 10):
             if event.type in ("response.completed", "response.incomplete", "error"):
                 return event
     raise AssertionError("the connection closed before a final event")
+
+
+# -- render and tokenize off the event loop --------------------------------------------------
+
+
+@pytest.mark.parametrize("num_chars", [20, 4 * INLINE_RENDER_CHARS])
+async def test_long_renders_run_off_the_event_loop(runtime, num_chars):
+    """The loop keeps streaming other responses while a long prompt is built."""
+    service = make_service(runtime, scripted_texts(runtime, []))
+    threads = []
+    build = runtime.builder.full
+
+    def full(*args):
+        threads.append(threading.current_thread())
+        return build(*args)
+
+    runtime.builder.full = full
+    try:
+        request = parse_request({"model": MODEL, "input": "x" * num_chars}, websocket=False)
+        prepared = await service.prepare(request, DEFAULT_TENANT, None)
+    finally:
+        del runtime.builder.full
+    assert prepared.built.prompt_ids == build(KEY, None, [], [user("x" * num_chars)]).prompt_ids
+    on_loop = threads == [threading.main_thread()]
+    assert on_loop == (num_chars <= INLINE_RENDER_CHARS)
