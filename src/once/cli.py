@@ -22,6 +22,7 @@ def _engine_config(args):
         draft_model=args.draft_model,
         kv_events_endpoint=args.kv_events_endpoint,
         speculative_adaptive=True if args.speculative_adaptive else None,
+        cpu_gemm=args.cpu_gemm,
     )
 
 
@@ -64,6 +65,12 @@ def _add_engine_flags(parser):
         "--speculative-adaptive",
         action="store_true",
         help="draft only as many ids per step as pay for their rows (spec/governor.py)",
+    )
+    parser.add_argument(
+        "--cpu-gemm",
+        choices=["onednn", "torch"],
+        default=None,
+        help="CPU fp32 matmuls: oneDNN over packed weights (default) or torch's own",
     )
     parser.add_argument(
         "--kv-events-endpoint",

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, fields, replace
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+CPU_GEMMS = ("onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,15 @@ class EngineConfig:
     # >= 1: after each step the loop sleeps (slowdown - 1) x the step's wall time, so the
     # engine runs at 1/slowdown of its speed (a throttled replica for routing benchmarks).
     slowdown: float = 1.0
+    # CPU fp32 matmuls from 3 rows up: "onednn" (weights packed once for oneDNN's GEMM, a
+    # second copy in memory; engine/ops.py) or "torch" (torch's own, MKL here).
+    cpu_gemm: str = "onednn"
 
     def __post_init__(self):
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
             raise ValueError(f"slowdown must be a finite number >= 1.0, got {self.slowdown}")
+        if self.cpu_gemm not in CPU_GEMMS:
+            raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

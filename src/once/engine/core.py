@@ -12,6 +12,7 @@ from once.engine.config import EngineConfig
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
+from once.engine.memory import keep_freed_memory
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request, RequestStatus
 from once.engine.runner import ModelRunner
@@ -35,6 +36,8 @@ class LLMEngine:
 
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_freed_memory()
         self.config = config
         self.model_path = resolve_model_path(config.model)
         dtype = getattr(torch, config.dtype)
@@ -44,7 +47,9 @@ class LLMEngine:
         if model_config.sliding_window and self.max_model_len > model_config.sliding_window:
             # Sliding-window attention is not implemented: within the window it is exact.
             self.max_model_len = model_config.sliding_window
-        self.model = LlamaModel(model_config, weights, self.max_model_len)
+        self.model = LlamaModel(
+            model_config, weights, self.max_model_len, pack_weights=config.cpu_gemm == "onednn"
+        )
 
         block_size = config.block_size
         num_blocks = config.num_kv_blocks or int(
@@ -255,7 +260,9 @@ class LLMEngine:
                 plain_rows.append(row)
                 plain_requests.append(request)
             row += num_rows
-        plain = iter(sample(logits[plain_rows], plain_requests, self.generator))
+        # Every row plain (no verification this step): no copy of the (N, vocab) logits.
+        plain_logits = logits if len(plain_rows) == logits.shape[0] else logits[plain_rows]
+        plain = iter(sample(plain_logits, plain_requests, self.generator))
         committed = []
         for request, (row, num_rows) in zip(requests, spans, strict=True):
             if num_rows == 1:

@@ -5,6 +5,11 @@ A decode step streams every weight and the whole KV of each sequence from memory
 streaming bandwidth here rose from ~23 to ~31 GB/s. THP is usually in "madvise" mode, so
 the engine asks for it on its own big allocations (before first touch, so the faults that
 populate them take huge pages). Elsewhere, or on failure, the tensor is simply normal.
+
+The step's transient tensors (activations, logits) are the other half: glibc serves each
+one above its mmap threshold with a fresh mapping and trims freed heap back to the OS,
+so every step page-faults its activations in again. `keep_freed_memory` tells malloc to
+keep and reuse that memory instead.
 """
 
 import ctypes
@@ -15,25 +20,53 @@ import torch
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 1 << 21
 _libc = None
+# mallopt parameters (malloc.h) and the values the engine sets.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest; only weights and KV pools are bigger
+_TRIM_THRESHOLD = 512 << 20  # freed top-of-heap memory kept for the next step
+_TOP_PAD = 64 << 20  # grow the heap in large steps, so fewer calls fault pages in
 
 
-def _madvise_huge(tensor: torch.Tensor) -> None:
+def _glibc():
     global _libc
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
-        return
     if _libc is None:
         try:
             _libc = ctypes.CDLL("libc.so.6", use_errno=True)
         except OSError:
             _libc = False
-    if not _libc:
+    return _libc
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc reuse freed memory rather than map and unmap it per step.
+
+    Measured on a batch of 32 prompts prefilled 512 tokens a step: ~970 -> ~1,450 prompt
+    tokens/s, the difference being page faults in the elementwise ops and matmul outputs.
+    Process-wide and idempotent; False where the C library is not glibc.
+    """
+    libc = _glibc() if sys.platform.startswith("linux") else None
+    if not libc or not hasattr(libc, "mallopt"):
+        return False
+    settings = (
+        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
+        (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
+        (_M_TOP_PAD, _TOP_PAD),
+    )
+    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+def _madvise_huge(tensor: torch.Tensor) -> None:
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return
+    libc = _glibc()
+    if not libc:
         return
     addr = tensor.data_ptr()
     size = tensor.numel() * tensor.element_size()
     start = (addr + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)  # only whole huge pages inside
     end = (addr + size) & ~(_HUGE_PAGE - 1)
     if end > start:
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
 
 
 def empty_huge(shape, dtype, device="cpu") -> torch.Tensor:

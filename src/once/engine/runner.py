@@ -74,7 +74,9 @@ class ModelRunner:
                         dtype=torch.long,
                         device=self.device,
                     )
-                prefills.append(PrefillChunk(row, item.num_new_tokens, start, context_slots))
+                # Blocks up to the chunk's end: the prefill kernel reads them in place.
+                table = self._tensor(block_ids[: (end + bs - 1) // bs], torch.int32)
+                prefills.append(PrefillChunk(row, item.num_new_tokens, start, context_slots, table))
             if end == request.num_tokens + len(drafts):
                 last = len(input_ids) - 1
                 logits_rows.extend(range(last - len(drafts), last + 1))

@@ -23,7 +23,8 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
         else:
             sampled_rows.append(row)
     if greedy_rows:
-        picks = logits[greedy_rows].argmax(dim=-1).tolist()
+        rows = logits if len(greedy_rows) == logits.shape[0] else logits[greedy_rows]
+        picks = rows.argmax(dim=-1).tolist()
         for row, token in zip(greedy_rows, picks, strict=True):
             token_ids[row] = token
     for row in sampled_rows:

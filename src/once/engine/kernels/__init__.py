@@ -14,7 +14,8 @@ import tempfile
 import threading
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "prefill_attention.c")]
+_HEADERS = [Path(__file__).with_name("vec16.h")]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -41,7 +42,7 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
 
 def _compile_and_load() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
     # -march=native: the build is only valid on this CPU, so its features are in the key.
     key = source + " ".join(flags).encode() + _cpu_features().encode()
@@ -55,7 +56,7 @@ def _compile_and_load() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             subprocess.run(
-                [compiler, *flags, str(_SOURCE), "-o", str(out), "-lm"],
+                [compiler, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"],
                 check=True,
                 capture_output=True,
                 timeout=120,
@@ -71,6 +72,14 @@ def _compile_and_load() -> ctypes.CDLL | None:
     fn = lib.add_rms_norm
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    fn = lib.paged_prefill_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = (
+        [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_long, ctypes.c_float, ctypes.c_int]
+    )
+    fn = lib.silu_mul
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     fn = lib.rope_in_place
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]

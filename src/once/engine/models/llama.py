@@ -17,7 +17,14 @@ import torch.nn.functional as F
 from once.engine.attention import AttentionMetadata, paged_attention
 from once.engine.memory import copy_to_huge
 from once.engine.models.config import ModelConfig
-from once.engine.ops import add_rms_norm, linear, rope_leading_heads, rotate_half_pairs
+from once.engine.ops import (
+    Linear,
+    add_rms_norm,
+    linear,
+    rope_leading_heads,
+    rotate_half_pairs,
+    silu_mul,
+)
 from once.protocol.errors import ModelLoadError
 
 
@@ -58,7 +65,9 @@ class RotaryEmbedding:
 
 
 class LlamaLayer:
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str):
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, pack: bool
+    ):
         def take(name):
             # Own, contiguous memory: loaded tensors may be memory-mapped file views.
             return copy_to_huge(weights[prefix + name])
@@ -66,23 +75,25 @@ class LlamaLayer:
         self.config = config
         self.input_norm = take("input_layernorm.weight")
         self.post_norm = take("post_attention_layernorm.weight")
-        self.qkv_weight = copy_to_huge(torch.cat(
+        qkv_weight = copy_to_huge(torch.cat(
             [take("self_attn.q_proj.weight"), take("self_attn.k_proj.weight"),
              take("self_attn.v_proj.weight")]
         ))  # fmt: skip
-        self.qkv_bias = None
+        qkv_bias = None
         if config.attention_bias:
-            self.qkv_bias = torch.cat(
+            qkv_bias = torch.cat(
                 [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
                  take("self_attn.v_proj.bias")]
             ).contiguous()  # fmt: skip
-        self.o_weight = take("self_attn.o_proj.weight")
+        self.qkv = Linear.prepare(qkv_weight, qkv_bias, pack)
+        self.o_proj = Linear.prepare(take("self_attn.o_proj.weight"), pack=pack)
         self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
-        self.gate_up_weight = copy_to_huge(
+        gate_up_weight = copy_to_huge(
             torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
         )
-        self.down_weight = take("mlp.down_proj.weight")
+        self.gate_up = Linear.prepare(gate_up_weight, pack=pack)
+        self.down_proj = Linear.prepare(take("mlp.down_proj.weight"), pack=pack)
 
     def forward(self, x, delta, rope_tables, kv_cache, layer_idx, meta: AttentionMetadata):
         """Returns (residual stream, this layer's last delta): the add is fused into the
@@ -95,7 +106,7 @@ class LlamaLayer:
         kv_size = cfg.num_kv_heads * cfg.head_dim
 
         x, h = add_rms_norm(x, delta, self.input_norm, eps, use_kernel)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, use_kernel)  # (T, q + 2 kv)
+        qkv = linear(h, self.qkv, use_kernel)  # (T, q + 2 kv)
         cos, sin = rope_tables
         if self.q_norm is None:
             # q and k are adjacent in the fused projection: rotate both in one pass.
@@ -110,12 +121,11 @@ class LlamaLayer:
         v = qkv[:, q_size + kv_size :].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
 
         attn = paged_attention(q, k, v, kv_cache, layer_idx, meta)  # (T, n_heads, head_dim)
-        attn_out = linear(attn.reshape(num_tokens, q_size), self.o_weight, None, use_kernel)
+        attn_out = linear(attn.reshape(num_tokens, q_size), self.o_proj, use_kernel)
 
         x, h = add_rms_norm(x, attn_out, self.post_norm, eps, use_kernel)
-        gate_up = linear(h, self.gate_up_weight, None, use_kernel)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x, linear(F.silu(gate) * up, self.down_weight, None, use_kernel)
+        gate_up = linear(h, self.gate_up, use_kernel)
+        return x, linear(silu_mul(gate_up, use_kernel), self.down_proj, use_kernel)
 
 
 def required_weight_names(config: ModelConfig) -> list[str]:
@@ -137,7 +147,15 @@ def required_weight_names(config: ModelConfig) -> list[str]:
 class LlamaModel:
     """Plain tensors, no nn.Module: inference only, and nothing to trace or register."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], max_len: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_len: int,
+        pack_weights: bool = True,
+    ):
+        """pack_weights: also keep each matmul's weight packed for oneDNN (CPU fp32;
+        ops.py), which costs a second copy of the weights in memory."""
         missing = [n for n in required_weight_names(config) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing tensor {missing[0]!r}")
@@ -146,11 +164,13 @@ class LlamaModel:
         self.device, self.dtype = embed.device, embed.dtype
         self.embed = embed
         self.final_norm = weights["model.norm.weight"].clone()
-        self.lm_head = (
-            embed if config.tie_word_embeddings else copy_to_huge(weights["lm_head.weight"])
+        self.lm_head = Linear.prepare(
+            embed if config.tie_word_embeddings else copy_to_huge(weights["lm_head.weight"]),
+            pack=pack_weights,
         )
         self.layers = [
-            LlamaLayer(config, weights, f"model.layers.{i}.") for i in range(config.num_layers)
+            LlamaLayer(config, weights, f"model.layers.{i}.", pack_weights)
+            for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config, max_len, self.device, self.dtype)
 
@@ -172,4 +192,4 @@ class LlamaModel:
         # The lm head is the biggest matmul: run it only on rows that are sampled.
         x = x.index_select(0, logits_indices)
         x = F.rms_norm(x, (self.config.hidden_size,), self.final_norm, self.config.rms_norm_eps)
-        return linear(x, self.lm_head, None, meta.use_kernel)  # (N, vocab)
+        return linear(x, self.lm_head, meta.use_kernel)  # (N, vocab)

@@ -122,7 +122,7 @@ class DraftModelDrafter:
             draft.max_position_embeddings,
             draft.sliding_window or draft.max_position_embeddings,
         )
-        model = LlamaModel(draft, weights, max_len)
+        model = LlamaModel(draft, weights, max_len, pack_weights=config.cpu_gemm == "onednn")
         return cls(
             model, target.vocab_size, draft_pool_blocks(config, target, dtype),
             config.block_size, max_len, config.seed,
