@@ -5,6 +5,15 @@ import sys
 
 
 def _engine_config(args):
+    """The engine's config from flags and ONCE_ENGINE_* variables; a bad value (say, in
+    the environment, which argparse never sees) is a one-line error, not a traceback."""
+    try:
+        return _engine_config_or_raise(args)
+    except ValueError as exc:
+        raise SystemExit(f"once: error: bad engine setting: {exc}") from None
+
+
+def _engine_config_or_raise(args):
     from once.engine.config import EngineConfig
 
     return EngineConfig.from_env(

@@ -73,3 +73,18 @@ def test_slowdown_from_env_and_flag(monkeypatch):
     assert _engine_config(parser.parse_args(["--slowdown", "2"])).slowdown == 2.0
     with pytest.raises(SystemExit):
         parser.parse_args(["--slowdown", "0.5"])
+
+
+@pytest.mark.parametrize(
+    "name, value", [("ONCE_ENGINE_CPU_GEMM", "blas"), ("ONCE_ENGINE_SLOWDOWN", "0.5"),
+                    ("ONCE_ENGINE_MAX_NUM_SEQS", "many")],
+)  # fmt: skip
+def test_a_bad_engine_setting_in_the_environment_is_a_one_line_error(monkeypatch, name, value):
+    import argparse
+
+    monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    _add_engine_flags(parser)
+    with pytest.raises(SystemExit, match="once: error: bad engine setting") as error:
+        _engine_config(parser.parse_args([]))
+    assert value in str(error.value)

@@ -52,13 +52,18 @@ class EngineConfig:
             raw = os.environ.get(f"ONCE_ENGINE_{f.name.upper()}")
             if raw is None:
                 continue
-            if f.type in (bool, "bool"):
-                values[f.name] = raw.lower() in ("1", "true", "yes", "on")
-            elif f.type in (int, "int"):
-                values[f.name] = int(raw)
-            elif f.type in (float, "float"):
-                values[f.name] = float(raw)
-            else:
-                values[f.name] = raw
+            try:
+                if f.type in (bool, "bool"):
+                    values[f.name] = raw.lower() in ("1", "true", "yes", "on")
+                elif f.type in (int, "int"):
+                    values[f.name] = int(raw)
+                elif f.type in (float, "float"):
+                    values[f.name] = float(raw)
+                else:
+                    values[f.name] = raw
+            except ValueError:
+                variable = f"ONCE_ENGINE_{f.name.upper()}"
+                kind = getattr(f.type, "__name__", f.type)
+                raise ValueError(f"{variable}={raw!r} is not a valid {kind}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
