@@ -1,12 +1,10 @@
 """The replay's speculation counters and CPU seconds per layer, on the tiny model."""
 
-import threading
-import time
 from dataclasses import replace
 
 import pytest
 
-from once.bench.replay.cpu import CpuSnapshot, LayerCpuMeter, engine_threads_cpu_s
+from once.bench.replay.cpu import CpuSnapshot, LayerCpuMeter
 from once.bench.replay.ledger import merge, session_ledger
 from once.bench.replay.plan import plan_session
 from once.bench.replay.stacks import ONCE, load_served_runtime, make_tiny_replay_model, open_stack
@@ -46,33 +44,50 @@ async def test_speculating_stack_reports_its_drafts_and_each_layers_cpu(served):
     assert per_session == pytest.approx(cpu, abs=0.05)
 
 
+# Run in a fresh interpreter: native threads that earlier tests left in this process (an
+# engine's OpenMP workers, the tokenizer's pool) would count as engine threads here.
+_THREADS_PROBE = """
+import threading, time
+from once.bench.replay.cpu import engine_threads_cpu_s
+
+def spin(seconds):
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+def engine_loop(done, stop):
+    spin(0.3)
+    done.set()
+    stop.wait()  # alive while measured, as the engine's thread is
+
+before = engine_threads_cpu_s()
+spin(0.3)  # the main thread: harness and gateway, never the engine
+other = threading.Thread(target=spin, args=(0.3,), name="asyncio_0")  # a gateway worker
+other.start()
+other.join()
+not_engine = engine_threads_cpu_s() - before
+done, stop = threading.Event(), threading.Event()
+engine = threading.Thread(target=engine_loop, args=(done, stop), name="once-engine")
+engine.start()
+done.wait()
+print(not_engine, engine_threads_cpu_s() - before)
+stop.set()
+engine.join()
+"""
+
+
 @needs_proc
 def test_engine_threads_are_told_apart_from_the_main_thread():
-    def spin(seconds):
-        end = time.thread_time() + seconds
-        while time.thread_time() < end:
-            pass
+    import subprocess
+    import sys
 
-    def engine_loop(done, stop):
-        spin(0.3)
-        done.set()
-        stop.wait()  # alive while measured, as the engine's thread is
-
-    before = engine_threads_cpu_s()
-    spin(0.3)  # the main thread: harness and gateway, never the engine
-    other = threading.Thread(target=spin, args=(0.3,), name="asyncio_0")  # a gateway worker
-    other.start()
-    other.join()
-    assert engine_threads_cpu_s() - before < 0.1
-    done, stop = threading.Event(), threading.Event()
-    engine = threading.Thread(target=engine_loop, args=(done, stop), name="once-engine")
-    engine.start()
-    done.wait()
-    try:
-        assert engine_threads_cpu_s() - before >= 0.25
-    finally:
-        stop.set()
-        engine.join()
+    out = subprocess.run(
+        [sys.executable, "-c", _THREADS_PROBE], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    not_engine, with_engine = map(float, out.stdout.split())
+    assert not_engine < 0.1
+    assert with_engine >= 0.25
 
 
 def test_layers_split_the_process_cpu():
