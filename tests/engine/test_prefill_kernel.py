@@ -32,8 +32,7 @@ def _run(chunk_len, num_prior, block_size, num_heads, num_kv_heads, head_dim, us
     q = fused[:, : num_heads * head_dim].view(chunk_len, num_heads, head_dim)
     k = torch.randn(chunk_len, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(chunk_len, num_kv_heads, head_dim, generator=gen)
-    chunk = PrefillChunk(0, chunk_len, num_prior, slots[:num_prior] if num_prior else None,
-                         table.to(torch.int32))  # fmt: skip
+    chunk = PrefillChunk(0, chunk_len, num_prior, table.to(torch.int32), block_size)
     meta = AttentionMetadata(slots[num_prior:], prefills=[chunk], use_kernel=use_kernel)
     return paged_attention(q, k, v, cache, 0, meta)
 

@@ -26,6 +26,8 @@ from once.engine.memory import zeros_huge
 # Context partition for the decode kernel's split-K: long contexts are cut into parts of
 # this many blocks so two threads share even a single long sequence.
 DECODE_PART_BLOCKS = 16
+# Head sizes the prefill kernel is built for (prefill_attention.c); others run SDPA.
+PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 
 
 class PagedKVCache:
@@ -54,9 +56,19 @@ class PrefillChunk:
     start: int  # row of the chunk's first token in the flat batch
     num_tokens: int
     num_prior_tokens: int  # context already in the cache before this chunk
-    context_slots: torch.Tensor | None  # (num_prior_tokens,) slots of that context
-    block_table: torch.Tensor | None = None  # (num_blocks,) int32: the prefill kernel's
+    block_table: torch.Tensor  # (blocks up to the chunk's end,) int32
+    block_size: int
     _mask: torch.Tensor | None = None
+    _context_slots: torch.Tensor | None = None
+
+    def context_slots(self) -> torch.Tensor:
+        """Cache slots of the num_prior_tokens before the chunk: what the SDPA fallback
+        gathers (the kernel reads the block table itself). Built once per chunk."""
+        if self._context_slots is None:
+            pos = torch.arange(self.num_prior_tokens, device=self.block_table.device)
+            blocks = self.block_table.long()[pos // self.block_size]
+            self._context_slots = blocks * self.block_size + pos % self.block_size
+        return self._context_slots
 
     def causal_mask(self, device) -> torch.Tensor:
         """Query i sits at absolute position num_prior + i and sees keys 0..num_prior + i
@@ -115,14 +127,12 @@ def _prefill_kernel(lib, q, out, rows: slice, kv_cache: PagedKVCache, layer_idx,
     """Causal attention of one chunk by the C kernel, written into out[rows]; False where
     it does not apply (no kernel, another dtype, a head size it does not handle).
 
-    It reads the context in place through the block table: at 150 ms per 32 x 128-token
-    batch here, SDPA spent most of its time in per-call overhead at these sizes, and a
-    chunk after a long prefix no longer gathers that prefix out of the cache first.
+    It reads the context in place through the block table, so a chunk after a long prefix
+    does not gather that prefix out of the cache first; on 128-token chunks SDPA's per-call
+    overhead made it ~1.6x slower here.
     """
     head_dim = q.shape[2]
-    if lib is None or chunk.block_table is None or q.dtype != torch.float32:
-        return False
-    if head_dim % 16 or head_dim > 256:
+    if lib is None or q.dtype != torch.float32 or head_dim not in PREFILL_KERNEL_HEAD_DIMS:
         return False
     # q may be a view into the fused qkv rows: heads packed, rows apart by a stride.
     if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
@@ -140,8 +150,8 @@ def _prefill_kernel(lib, q, out, rows: slice, kv_cache: PagedKVCache, layer_idx,
 
 def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
     if chunk.num_prior_tokens:
-        k = torch.cat((k_flat.index_select(0, chunk.context_slots), k))
-        v = torch.cat((v_flat.index_select(0, chunk.context_slots), v))
+        k = torch.cat((k_flat.index_select(0, chunk.context_slots()), k))
+        v = torch.cat((v_flat.index_select(0, chunk.context_slots()), v))
     # SDPA wants (B, heads, L, D); enable_gqa lets each kv head serve its group of query
     # heads without copying K and V once per query head.
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))

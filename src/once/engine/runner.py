@@ -67,16 +67,9 @@ class ModelRunner:
                 tables.append(block_ids)
                 lens.append(end)
             else:
-                context_slots = None
-                if start:
-                    context_slots = torch.tensor(
-                        [block_ids[p // bs] * bs + p % bs for p in range(start)],
-                        dtype=torch.long,
-                        device=self.device,
-                    )
-                # Blocks up to the chunk's end: the prefill kernel reads them in place.
+                # Blocks up to the chunk's end: its context is read through them.
                 table = self._tensor(block_ids[: (end + bs - 1) // bs], torch.int32)
-                prefills.append(PrefillChunk(row, item.num_new_tokens, start, context_slots, table))
+                prefills.append(PrefillChunk(row, item.num_new_tokens, start, table, bs))
             if end == request.num_tokens + len(drafts):
                 last = len(input_ids) - 1
                 logits_rows.extend(range(last - len(drafts), last + 1))

@@ -249,12 +249,8 @@ class DraftModelDrafter:
                 tables.append(blocks)
                 lens.append(end)
             else:
-                context = None
-                if start:
-                    context = self._tensor(
-                        [blocks[p // bs] * bs + p % bs for p in range(start)], torch.long
-                    )
-                prefills.append(PrefillChunk(row, len(new_ids), start, context))
+                table = self._tensor(blocks[: (end + bs - 1) // bs], torch.int32)
+                prefills.append(PrefillChunk(row, len(new_ids), start, table, bs))
             logits_rows[j] = len(input_ids) - 1
             state.token_ids.extend(new_ids)
         ids = self._tensor(input_ids, torch.long)
