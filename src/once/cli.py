@@ -7,32 +7,28 @@ import sys
 def _engine_config(args):
     """The engine's config from flags and ONCE_ENGINE_* variables; a bad value (say, in
     the environment, which argparse never sees) is a one-line error, not a traceback."""
-    try:
-        return _engine_config_or_raise(args)
-    except ValueError as exc:
-        raise SystemExit(f"once: error: bad engine setting: {exc}") from None
-
-
-def _engine_config_or_raise(args):
     from once.engine.config import EngineConfig
 
-    return EngineConfig.from_env(
-        model=args.model,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        kv_cache_gib=args.kv_cache_gib,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=False if args.no_prefix_caching else None,
-        num_threads=args.threads,
-        slowdown=args.slowdown,
-        speculative_method=args.speculative_method,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model,
-        kv_events_endpoint=args.kv_events_endpoint,
-        speculative_adaptive=True if args.speculative_adaptive else None,
-        cpu_gemm=args.cpu_gemm,
-    )
+    try:
+        return EngineConfig.from_env(
+            model=args.model,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            kv_cache_gib=args.kv_cache_gib,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=False if args.no_prefix_caching else None,
+            num_threads=args.threads,
+            slowdown=args.slowdown,
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+            kv_events_endpoint=args.kv_events_endpoint,
+            speculative_adaptive=True if args.speculative_adaptive else None,
+            cpu_gemm=args.cpu_gemm,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"once: error: bad engine setting: {exc}") from None
 
 
 def _slowdown(text: str) -> float:
@@ -48,6 +44,8 @@ def _slowdown(text: str) -> float:
 
 
 def _add_engine_flags(parser):
+    from once.engine.config import CPU_GEMMS
+
     parser.add_argument("--model", default=None, help="model name, HF folder or .gguf file")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -77,7 +75,7 @@ def _add_engine_flags(parser):
     )
     parser.add_argument(
         "--cpu-gemm",
-        choices=["onednn", "torch"],
+        choices=CPU_GEMMS,
         default=None,
         help="CPU fp32 matmuls: oneDNN over packed weights (default) or torch's own",
     )
