@@ -2,16 +2,26 @@
 
 The router never asks a replica for its load before routing (that is a round trip per
 request): it counts what it sent. Per request in flight it keeps the prompt tokens still
-to prefill (until the first delta), the output tokens still expected, and the KV blocks
-held; `view()` sums them into the `ReplicaView` the policies read.
+to prefill, the output tokens still expected, and the KV blocks held; `view()` sums them
+into the `ReplicaView` the policies read. The tokens still to prefill are an estimate:
+the replica is taken to work through the prefills in flight first come, first served (as
+the engine's chunked prefill does) at its measured speed, so a request sent 0.3 s ago to a
+replica doing 10k tokens/s counts 3k tokens fewer. Counting every request whole until its
+first token (as before) called a busy replica's queue up to twice as long as it was, sent
+work to the slow replica of a live replay that the fast one would have finished first,
+and fed the speed fit queues that were partly done (so it overrated both replicas).
 
 Speed is measured from the requests themselves, in the unit the once policy predicts in:
 - prefill: the TTFT the router observed against the work it predicted (prompt tokens
   queued ahead at dispatch + this request's uncached tokens), fitted as
-  ttft = overhead + work / speed by least squares over recent requests (decayed sums):
-  a plain work/ttft mean would call a replica that serves mostly cache hits slow, since
-  its short prefills are all overhead. It folds in queueing, network and the decode steps
-  sharing the engine, so the prediction is calibrated to itself.
+  ttft = overhead + work / speed by weighted least squares over the last 64 requests
+  (recent ones weigh more): a plain work/ttft mean would call a replica that serves
+  mostly cache hits slow, since its short prefills are all overhead. It folds in
+  queueing, network and the decode steps sharing the engine, so the prediction is
+  calibrated to itself. The overhead is held within [0, the smallest TTFT of the window]
+  (no request is faster than the overhead): a free intercept took up the TTFT that an
+  underrated queue left unexplained, which raised the speed, which underrated the queue
+  further (in a live replay the router rated a replica 4x slower than its peer at 0.8x).
 - decode: output tokens / time after the first token, per stream, times the streams in
   flight (aggregate throughput of the batch).
 Both start from the same prior on every replica, so an unmeasured replica is neither
@@ -25,6 +35,7 @@ restarted engine has an empty cache and sends no event saying so).
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics
@@ -42,31 +53,43 @@ def moving_average(old: float, sample: float, weight: float = SPEED_SMOOTHING) -
 
 
 class PrefillSpeedMeter:
-    """Decayed least-squares fit of ttft = overhead + work / speed."""
+    """Weighted least squares of ttft = overhead + work / speed, overhead in [0, min ttft]."""
 
-    def __init__(self, prior_tokens_per_s: float, decay: float = 0.95):
+    def __init__(self, prior_tokens_per_s: float, decay: float = 0.95, window: int = 64):
         self.tokens_per_s = prior_tokens_per_s
         self.decay = decay
-        self._sums = [0.0] * 5  # weight, x, y, xx, xy (x = work tokens, y = ttft seconds)
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (work, ttft)
+        self.overhead_s = 0.0
 
     def add(self, work_tokens: float, ttft_s: float) -> None:
-        x, y = float(work_tokens), float(ttft_s)
-        self._sums = [self.decay * s for s in self._sums]
-        for i, term in enumerate((1.0, x, y, x * x, x * y)):
-            self._sums[i] += term
-        n, sx, sy, sxx, sxy = self._sums
-        spread = sxx - sx * sx / n
-        slope = (sxy - sx * sy / n) / spread if spread > 1e-9 * max(1.0, sxx) else 0.0
-        if slope <= 0 and sy > 0:
-            slope = sy / max(sx, 1.0)  # no spread in work yet: the plain ratio
+        self.samples.append((float(work_tokens), float(ttft_s)))
+        n = len(self.samples)
+        weights = [self.decay ** (n - 1 - i) for i in range(n)]
+        sw = sum(weights)
+        sx = sum(w * x for w, (x, _) in zip(weights, self.samples, strict=True))
+        sy = sum(w * y for w, (_, y) in zip(weights, self.samples, strict=True))
+        sxx = sum(w * x * x for w, (x, _) in zip(weights, self.samples, strict=True))
+        sxy = sum(w * x * y for w, (x, y) in zip(weights, self.samples, strict=True))
+        if sxx <= 0:
+            return  # no work measured yet (every sample 0 tokens)
+        spread = sxx - sx * sx / sw
+        slope = (sxy - sx * sy / sw) / spread if spread > 1e-9 * sxx else 0.0
+        overhead = (sy - slope * sx) / sw
+        floor = min(y for _, y in self.samples)
+        if slope <= 0 or not 0.0 <= overhead <= floor:
+            # Refit the slope alone with the overhead clamped into its range.
+            overhead = min(max(overhead if slope > 0 else 0.0, 0.0), floor)
+            slope = (sxy - overhead * sx) / sxx
         if slope > 0:
             self.tokens_per_s = 1.0 / slope
+            self.overhead_s = overhead
 
 
 @dataclass
 class InFlight:
-    num_prefill_tokens: int  # cleared when the first delta arrives
-    num_queued_ahead: int  # prefill tokens queued on the replica when this was sent
+    num_prefill_tokens: int  # this request's uncached prompt tokens, as predicted at dispatch
+    num_queued_ahead: int  # prefill tokens estimated ahead of it on the replica when sent
+    num_prefill_left: float  # the estimate still to prefill: drained FCFS, 0 at the first delta
     num_decode_tokens: int  # expected output still to come
     num_blocks: int
     num_prompt_tokens: int
@@ -89,6 +112,7 @@ class Replica:
         kv_event_source=None,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
+        live_estimates: bool = True,
     ):
         if block_size < 1 or kv_blocks_total < 1:
             raise ValueError("block_size and kv_blocks_total must be >= 1")
@@ -110,7 +134,11 @@ class Replica:
         self.healthy = True
         self.down_reason: str | None = None
         self.down_since: float | None = None
-        self.in_flight: dict[str, InFlight] = {}
+        self.in_flight: dict[str, InFlight] = {}  # in dispatch order
+        # False freezes the queue and speed estimates between first tokens (the
+        # simulator's parity check routes a wave that arrives at one instant).
+        self.live_estimates = live_estimates
+        self._drained_at = time.monotonic()
         self.counters = dict.fromkeys(
             (
                 "num_routed",
@@ -136,19 +164,56 @@ class Replica:
         usable = block_hashes[: max(0, num_prompt_tokens - 1) // self.block_size]
         return self.prefix_index.match(usable)
 
+    def prefill_tokens_per_s(self, now: float) -> float:
+        """The fitted speed, capped by what the requests still waiting for their first
+        token show: one sent `waited` seconds ago with `work` tokens ahead of it and its
+        own still has none, so the replica does fewer than work / (waited - overhead)
+        tokens a second. The fit learns only from first tokens, rarely on a replica the
+        policy avoids; this catches a slowdown (or a stall) while it happens."""
+        speed = self.prefill_meter.tokens_per_s
+        if not self.live_estimates:
+            return speed
+        overhead = self.prefill_meter.overhead_s
+        for flight in self.in_flight.values():
+            waited = now - flight.sent_at - overhead
+            if flight.first_delta_at is None and waited > 0:
+                speed = min(speed, (flight.num_queued_ahead + flight.num_prefill_tokens) / waited)
+        return speed
+
+    def drain(self, now: float) -> None:
+        """Take the prefill work the replica did since the last call off the flights'
+        estimates, oldest first, at its estimated speed (none of it while idle)."""
+        if now <= self._drained_at:
+            return
+        budget = (now - self._drained_at) * self.prefill_tokens_per_s(now)
+        self._drained_at = now
+        if not self.live_estimates:
+            return
+        for flight in self.in_flight.values():
+            if budget <= 0:
+                break
+            done = min(flight.num_prefill_left, budget)
+            flight.num_prefill_left -= done
+            budget -= done
+
+    def num_queued_prefill_tokens(self, now: float | None = None) -> int:
+        self.drain(time.monotonic() if now is None else now)
+        return round(sum(f.num_prefill_left for f in self.in_flight.values()))
+
     def view(self, block_hashes: tuple[int, ...], num_prompt_tokens: int) -> ReplicaView:
         flights = self.in_flight.values()
+        now = time.monotonic()
         return ReplicaView(
             index=self.index,
             name=self.name,
             healthy=self.healthy,
             num_running=len(self.in_flight),
-            num_queued_prefill_tokens=sum(f.num_prefill_tokens for f in flights),
+            num_queued_prefill_tokens=self.num_queued_prefill_tokens(now),
             num_decode_tokens=sum(f.num_decode_tokens for f in flights),
             kv_blocks_used=sum(f.num_blocks for f in flights),
             kv_blocks_total=self.kv_blocks_total,
             cached_prefix_blocks=self.num_cached_blocks(block_hashes, num_prompt_tokens),
-            prefill_tokens_per_s=self.prefill_meter.tokens_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s(now),
             decode_tokens_per_s=self.decode_tokens_per_s_per_stream * max(1, len(flights)),
         )
 
@@ -162,9 +227,11 @@ class Replica:
             expected_output = len(request.forced_output_ids)
         else:
             expected_output = min(expected_output, round(self.mean_output_tokens))
+        num_prefill = max(1, num_prompt - cached)
         self.in_flight[request.request_id] = InFlight(
-            num_prefill_tokens=max(1, num_prompt - cached),
-            num_queued_ahead=sum(f.num_prefill_tokens for f in self.in_flight.values()),
+            num_prefill_tokens=num_prefill,
+            num_queued_ahead=self.num_queued_prefill_tokens(),
+            num_prefill_left=num_prefill,
             num_decode_tokens=expected_output,
             num_blocks=-(-(num_prompt + expected_output) // self.block_size),
             num_prompt_tokens=num_prompt,
@@ -182,9 +249,10 @@ class Replica:
         now = time.monotonic()
         if flight.first_delta_at is None:
             flight.first_delta_at = now
+            self.drain(now)
+            flight.num_prefill_left = 0
             work = flight.num_queued_ahead + flight.num_prefill_tokens
             self.prefill_meter.add(work, now - flight.sent_at)
-            flight.num_prefill_tokens = 0
         flight.num_output_tokens += num_new_tokens
         flight.num_decode_tokens = max(0, flight.num_decode_tokens - num_new_tokens)
 

@@ -226,7 +226,10 @@ class PinnedPrefillSpeed(PrefillSpeedMeter):
 
 
 def pin_prefill_speed(replica: Replica, tokens_per_s: float) -> None:
+    """The router sees the profile's speed, and the queues the simulator sees: a wave
+    arrives there at one instant, so no prefill work is taken off while it is routed."""
     replica.prefill_meter = PinnedPrefillSpeed(tokens_per_s)
+    replica.live_estimates = False
 
 
 async def run_live(
