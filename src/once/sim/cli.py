@@ -117,6 +117,14 @@ def format_report(report: dict) -> str:
             f"{report['goodput_ratio_vs_best']:.3f}x ({report['best_other_goodput_policy']}); "
             f"hit ratio {report['hit_ratio_vs_bound']:.3f} of the bound"
         )
+    retention = report.get("retention")
+    if retention:
+        lines.append(
+            f"uniform retention: {retention['cluster_blocks']} blocks keep a block "
+            f"{retention['retention_s']:.0f} s, which catches "
+            f"{retention['hit_share_within_retention']:.3f} of the bound's hit tokens; "
+            f"{retention['target']:.2f} needs ~{retention['blocks_for_target']:.0f} blocks"
+        )
     return "\n".join(lines)
 
 

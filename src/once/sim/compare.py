@@ -12,6 +12,7 @@ from once.sim.cluster import Cluster
 from once.sim.eviction import DEFAULT_EVICTION
 from once.sim.metrics import summarize
 from once.sim.profiles import ReplicaProfile
+from once.sim.retention import retention_report
 from once.sim.workload import SimRequest, scale_arrivals
 
 ONCE_POLICY = "once"
@@ -63,6 +64,10 @@ def compare_policies(
         "tpot_slo_s": scenario.profile.tpot_slo_s,
         "hit_ratio_bound": table[0]["hit_ratio_bound"],
         "hit_ratio_shared_lru": shared_lru_hit_ratio(
+            scaled, scenario.profile.block_size, scenario.profile.kv_blocks * scenario.num_replicas
+        ),
+        # The ceiling of a cache that keeps every block alike, at this cluster's capacity.
+        "retention": retention_report(
             scaled, scenario.profile.block_size, scenario.profile.kv_blocks * scenario.num_replicas
         ),
         "policies": table,
