@@ -63,13 +63,15 @@ class PrefillSpeedMeter:
 
     def add(self, work_tokens: float, ttft_s: float) -> None:
         self.samples.append((float(work_tokens), float(ttft_s)))
-        n = len(self.samples)
-        weights = [self.decay ** (n - 1 - i) for i in range(n)]
-        sw = sum(weights)
-        sx = sum(w * x for w, (x, _) in zip(weights, self.samples, strict=True))
-        sy = sum(w * y for w, (_, y) in zip(weights, self.samples, strict=True))
-        sxx = sum(w * x * x for w, (x, _) in zip(weights, self.samples, strict=True))
-        sxy = sum(w * x * y for w, (x, y) in zip(weights, self.samples, strict=True))
+        sw = sx = sy = sxx = sxy = 0.0
+        weight = 1.0  # the newest sample's; each older one decays by `decay`
+        for x, y in reversed(self.samples):
+            sw += weight
+            sx += weight * x
+            sy += weight * y
+            sxx += weight * x * x
+            sxy += weight * x * y
+            weight *= self.decay
         if sxx <= 0:
             return  # no work measured yet (every sample 0 tokens)
         spread = sxx - sx * sx / sw
@@ -180,12 +182,15 @@ class Replica:
                 speed = min(speed, (flight.num_queued_ahead + flight.num_prefill_tokens) / waited)
         return speed
 
-    def drain(self, now: float) -> None:
+    def drain(self, now: float, speed: float | None = None) -> None:
         """Take the prefill work the replica did since the last call off the flights'
-        estimates, oldest first, at its estimated speed (none of it while idle)."""
+        estimates, oldest first, at its estimated speed (none of it while idle); `speed`
+        is `prefill_tokens_per_s(now)` when the caller has it already."""
         if now <= self._drained_at:
             return
-        budget = (now - self._drained_at) * self.prefill_tokens_per_s(now)
+        if speed is None:
+            speed = self.prefill_tokens_per_s(now)
+        budget = (now - self._drained_at) * speed
         self._drained_at = now
         if not self.live_estimates:
             return
@@ -196,24 +201,27 @@ class Replica:
             flight.num_prefill_left -= done
             budget -= done
 
-    def num_queued_prefill_tokens(self, now: float | None = None) -> int:
-        self.drain(time.monotonic() if now is None else now)
+    def num_queued_prefill_tokens(
+        self, now: float | None = None, speed: float | None = None
+    ) -> int:
+        self.drain(time.monotonic() if now is None else now, speed)
         return round(sum(f.num_prefill_left for f in self.in_flight.values()))
 
     def view(self, block_hashes: tuple[int, ...], num_prompt_tokens: int) -> ReplicaView:
         flights = self.in_flight.values()
         now = time.monotonic()
+        speed = self.prefill_tokens_per_s(now)
         return ReplicaView(
             index=self.index,
             name=self.name,
             healthy=self.healthy,
             num_running=len(self.in_flight),
-            num_queued_prefill_tokens=self.num_queued_prefill_tokens(now),
+            num_queued_prefill_tokens=self.num_queued_prefill_tokens(now, speed),
             num_decode_tokens=sum(f.num_decode_tokens for f in flights),
             kv_blocks_used=sum(f.num_blocks for f in flights),
             kv_blocks_total=self.kv_blocks_total,
             cached_prefix_blocks=self.num_cached_blocks(block_hashes, num_prompt_tokens),
-            prefill_tokens_per_s=self.prefill_tokens_per_s(now),
+            prefill_tokens_per_s=speed,
             decode_tokens_per_s=self.decode_tokens_per_s_per_stream * max(1, len(flights)),
         )
 
