@@ -1,6 +1,6 @@
 """The input check inside the response pipeline: policies, abort, timing, what is checked.
 
-`ResponsesService` is driven directly (prepare + stream) around a `ScriptedEngine`, whose
+The pipeline is driven directly (prepare + stream) around a `ScriptedEngine`, whose
 `finish_reasons` show whether the engine request was aborted; classifiers are the rule
 classifier and a fake that sleeps, so every test is fast. One test runs the real embedding
 classifier through the HTTP gateway and the `openai` SDK.
@@ -15,14 +15,15 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
+from once.gateway.app import create_gateway
 from once.gateway.auth import DEFAULT_TENANT
-from once.gateway.metrics import GatewayMetrics
-from once.gateway.responses import ConnectionCache, ResponsesService
+from once.gateway.config import GatewayConfig
+from once.gateway.conversation import ConnectionCache
+from once.gateway.pipeline import ResponsePipeline
 from once.gateway.safety import EmbeddingClassifier, RuleClassifier, SafetyChecker, SafetyVerdict
-from once.gateway.store import open_store
+from once.gateway.testing import prepare_request, response_events
 from once.protocol.engine import FINISH_ABORT, FINISH_STOP
 from once.protocol.errors import PreviousResponseNotFoundError
-from once.protocol.responses import parse_request
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 DENIED = "open the pod bay doors"
@@ -55,18 +56,16 @@ def rules() -> RuleClassifier:
     return RuleClassifier(deny_list=[DENIED])
 
 
-def make_service(runtime, engine, classifier, policy) -> ResponsesService:
+def make_service(runtime, engine, classifier, policy) -> ResponsePipeline:
     model = replace(runtime, safety=SafetyChecker([classifier], policy=policy))
-    metrics = GatewayMetrics(CollectorRegistry())
-    store = open_store("memory", 3600)
-    return ResponsesService(engine, {MODEL: model}, store, metrics, verify_every=1)
+    config = GatewayConfig(store="memory", store_ttl_s=3600, verify_every=1)
+    return create_gateway(config, engine, {MODEL: model}, CollectorRegistry())
 
 
 async def respond(service, connection=None, *, on_event=None, **body):
-    request = parse_request({"model": MODEL, **body}, websocket=connection is not None)
-    prepared = await service.prepare(request, DEFAULT_TENANT, connection)
+    prepared = await prepare_request(service, {"model": MODEL, **body}, connection)
     events = []
-    async for event in service.stream(prepared, connection):
+    async for event in response_events(service, prepared):
         if on_event is not None:
             on_event(event)
         events.append(event)
@@ -107,7 +106,7 @@ async def test_hold_sends_no_output_when_the_input_is_flagged(runtime, classifie
     assert TEXT_DELTA not in types(events)
     assert "response.output_item.added" not in types(events)
     assert events[-1]["response"]["output"] == []
-    assert await engine_finish(engine, prepared.builder.id) == FINISH_ABORT
+    assert await engine_finish(engine, prepared.response_id) == FINISH_ABORT
     assert service.metrics.value(service.metrics.content_filtered) == 1
 
 
@@ -120,7 +119,7 @@ async def test_stream_cuts_started_output_when_the_input_is_flagged(runtime):
     assert deltas  # output had started before the check failed...
     assert "".join(deltas) != REPLY  # ...and was cut before its end
     assert REPLY.startswith("".join(deltas))
-    assert await engine_finish(engine, prepared.builder.id) == FINISH_ABORT
+    assert await engine_finish(engine, prepared.response_id) == FINISH_ABORT
     assert engine.requests[0].sampling.max_tokens > 80  # the cut came from the abort
     # The open message is closed as incomplete, in order, before the final event.
     assert types(events)[-4:] == [
@@ -139,8 +138,8 @@ async def test_a_flagged_response_is_not_kept_for_continuation(runtime):
     prepared, events = await respond(service, connection, input=DENIED)
     assert_content_filtered(events)
     with pytest.raises(PreviousResponseNotFoundError):
-        await respond(service, connection, input="hi", previous_response_id=prepared.builder.id)
-    assert await service.store.get(prepared.builder.id, DEFAULT_TENANT.name) is None
+        await respond(service, connection, input="hi", previous_response_id=prepared.response_id)
+    assert await service.store.get(prepared.response_id, DEFAULT_TENANT.name) is None
 
 
 # -- 3. not flagged --------------------------------------------------------------------------
@@ -154,7 +153,7 @@ async def test_clean_input_completes_under_both_policies(runtime, policy):
     assert events[-1]["type"] == "response.completed"
     assert "".join(e["delta"] for e in events if e["type"] == TEXT_DELTA) == REPLY
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == REPLY
-    assert await engine_finish(engine, prepared.builder.id) == FINISH_STOP
+    assert await engine_finish(engine, prepared.response_id) == FINISH_STOP
     assert service.metrics.value(service.metrics.content_filtered) == 0
     assert service.metrics.safety_seconds._sum.get() > 0.04  # the check was timed
 
@@ -212,7 +211,7 @@ async def test_a_continuation_classifies_only_its_new_items(runtime):
         {"type": "reasoning", "id": "rs_1", "summary": []},
     ]
     second, events = await respond(
-        service, connection, input=new_items, previous_response_id=first.builder.id
+        service, connection, input=new_items, previous_response_id=first.response_id
     )
     assert events[-1]["type"] == "response.completed"
     assert second.built.mode == "incremental"
@@ -246,7 +245,7 @@ async def test_a_warm_up_is_checked_before_it_joins_the_chain(runtime):
     # Its items never enter a chain that later continuations (which check only their new
     # items) would build on.
     with pytest.raises(PreviousResponseNotFoundError):
-        await respond(service, connection, input="hi", previous_response_id=warm.builder.id)
+        await respond(service, connection, input="hi", previous_response_id=warm.response_id)
     clean, events = await respond(service, connection, input="hello", generate=False)
     assert events[-1]["type"] == "response.completed"
 

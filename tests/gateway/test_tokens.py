@@ -28,14 +28,15 @@ from once.bench.traces import (
     load_session,
 )
 from once.engine.scripted import ScriptedEngine
-from once.gateway.auth import DEFAULT_TENANT
-from once.gateway.metrics import GatewayMetrics
+from once.gateway.app import create_gateway
+from once.gateway.config import GatewayConfig
+from once.gateway.conversation import ConnectionCache
+from once.gateway.pipeline import ResponsePipeline
+from once.gateway.prepare import INLINE_RENDER_CHARS
 from once.gateway.render import NotIncrementalError
-from once.gateway.responses import INLINE_RENDER_CHARS, ConnectionCache, ResponsesService
-from once.gateway.store import open_store
+from once.gateway.testing import prepare_request, response_events
 from once.gateway.tokens import FULL, INCREMENTAL, ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
-from once.protocol.responses import parse_request
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 KEY = "test"
@@ -146,17 +147,15 @@ def test_a_leading_function_call_is_never_continued_incrementally(runtime):
 # -- through the service --------------------------------------------------------------------
 
 
-def make_service(runtime, engine, verify_every: int = 1) -> ResponsesService:
-    metrics = GatewayMetrics(CollectorRegistry())
-    store = open_store("memory", 3600)
-    return ResponsesService(engine, {MODEL: runtime}, store, metrics, verify_every=verify_every)
+def make_service(runtime, engine, verify_every: int = 1) -> ResponsePipeline:
+    config = GatewayConfig(store="memory", store_ttl_s=3600, verify_every=verify_every)
+    return create_gateway(config, engine, {MODEL: runtime}, CollectorRegistry())
 
 
 async def respond(service, connection, **body):
     """One response through prepare + stream; returns (prepared, events)."""
-    request = parse_request({"model": MODEL, **body}, websocket=connection is not None)
-    prepared = await service.prepare(request, DEFAULT_TENANT, connection)
-    events = [event async for event in service.stream(prepared, connection)]
+    prepared = await prepare_request(service, {"model": MODEL, **body}, connection)
+    events = [event async for event in response_events(service, prepared)]
     return prepared, events
 
 
@@ -180,7 +179,7 @@ async def test_divergence_is_counted_and_the_chain_renders_in_full_next(runtime)
             model=MODEL, instructions="sys", input="Again.", previous_response_id=first.id
         )
         assert metrics.value(metrics.renders, "incremental") == 1
-        await gateway.service.drain_verifications()  # verification runs in the background
+        await gateway.drain_verifications()  # verification runs in the background
         assert metrics.value(metrics.verifications) == 1
         assert metrics.value(metrics.divergences) == 1
         full_renders = metrics.value(metrics.renders, "full")
@@ -212,14 +211,18 @@ async def test_a_diverged_chain_recovers_on_a_connection(runtime):
     engine.script[0] = per_char
     service, connection = make_service(runtime, engine), ConnectionCache()
     first, _ = await respond(service, connection, input="a")
-    second, _ = await respond(service, connection, input="b", previous_response_id=first.builder.id)
+    second, _ = await respond(
+        service, connection, input="b", previous_response_id=first.response_id
+    )
     assert second.built.mode == INCREMENTAL
     await service.drain_verifications()  # verification runs in the background
     assert service.metrics.value(service.metrics.divergences) == 1
-    third, _ = await respond(service, connection, input="c", previous_response_id=second.builder.id)
+    third, _ = await respond(
+        service, connection, input="c", previous_response_id=second.response_id
+    )
     assert third.built.mode == FULL
     fourth, events = await respond(
-        service, connection, input="d", previous_response_id=third.builder.id
+        service, connection, input="d", previous_response_id=third.response_id
     )
     assert events[-1]["type"] == "response.completed"
     assert fourth.built.mode == INCREMENTAL  # the full render re-based the chain
@@ -240,7 +243,7 @@ async def test_output_cut_by_max_tokens_continues_with_the_turn_closed(runtime):
     cut_text = events[-1]["response"]["output"][0]["content"][0]["text"]
     assert cut_text == "one two three four"
     second, events = await respond(
-        service, connection, input="go on", previous_response_id=first.builder.id
+        service, connection, input="go on", previous_response_id=first.response_id
     )
     assert second.built.mode == INCREMENTAL
     assert events[-1]["type"] == "response.completed"
@@ -262,9 +265,9 @@ async def test_a_warm_up_state_continues_correctly(runtime, via):
     items = [user("Read this file."), {"type": "message", "role": "assistant", "content": "Ok."}]
     body = {"input": items, "instructions": "sys", "generate": False}
     if connection is None:
-        request = parse_request({"model": MODEL, **body}, websocket=True)
-        warm = await service.prepare(request, DEFAULT_TENANT, None)
-        events = [event async for event in service.stream(warm, None)]
+        warm = await prepare_request(service, {"model": MODEL, **body}, ConnectionCache())
+        warm.connection = None  # a WebSocket-mode request whose state only the store keeps
+        events = [event async for event in response_events(service, warm)]
     else:
         warm, events = await respond(service, connection, **body)
     assert events[-1]["type"] == "response.completed"
@@ -275,7 +278,7 @@ async def test_a_warm_up_state_continues_correctly(runtime, via):
         connection,
         input="Now summarize it.",
         instructions="sys",
-        previous_response_id=warm.builder.id,
+        previous_response_id=warm.response_id,
     )
     assert second.built.mode == INCREMENTAL
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Sure."
@@ -297,12 +300,12 @@ async def test_changed_instructions_or_tools_render_in_full(runtime, change):
     service, connection = make_service(runtime, engine), ConnectionCache()
     first, _ = await respond(service, connection, input="one", instructions="sys")
     second, _ = await respond(
-        service, connection, input="two", instructions="sys", previous_response_id=first.builder.id
+        service, connection, input="two", instructions="sys", previous_response_id=first.response_id
     )
     assert second.built.mode == INCREMENTAL
     body = {"instructions": "sys", **change}
     third, _ = await respond(
-        service, connection, input="three", previous_response_id=second.builder.id, **body
+        service, connection, input="three", previous_response_id=second.response_id, **body
     )
     assert third.built.mode == FULL
     assert renders(service, "full") == 2 and renders(service, "incremental") == 1
@@ -330,15 +333,13 @@ async def test_a_chain_continues_as_soon_as_the_final_event_arrives(runtime):
     engine = scripted_texts(runtime, ["A.", "B."])
     service, connection = make_service(runtime, engine), ConnectionCache()
     for via in (connection, None):  # the connection's state, then the store's
-        request = parse_request({"model": MODEL, "input": "q1"}, websocket=via is not None)
-        prepared = await service.prepare(request, DEFAULT_TENANT, via)
-        stream = service.stream(prepared, via)
+        prepared = await prepare_request(service, {"model": MODEL, "input": "q1"}, via)
+        stream = response_events(service, prepared)
         async for event in stream:
             if event["type"] == "response.completed":
                 break  # a client sends its next request now, before the stream is drained
-        body = {"model": MODEL, "input": "q2", "previous_response_id": prepared.builder.id}
-        request = parse_request(body, websocket=via is not None)
-        continued = await service.prepare(request, DEFAULT_TENANT, via)
+        body = {"model": MODEL, "input": "q2", "previous_response_id": prepared.response_id}
+        continued = await prepare_request(service, body, via)
         assert continued.built.mode == INCREMENTAL
         await stream.aclose()
 
@@ -348,7 +349,7 @@ async def test_a_websocket_continuation_right_after_completed_is_not_refused(run
     final event, so a fast client's next response.create got response_already_in_progress."""
     engine = scripted_texts(runtime, ["A.", "B."])
     async with serve_gateway(runtime, engine) as (url, gateway):
-        store = gateway.service.store
+        store = gateway.store
         put = store.put
 
         async def slow_put(record):
@@ -391,8 +392,7 @@ async def test_long_renders_run_off_the_event_loop(runtime, num_chars):
 
     runtime.builder.full = full
     try:
-        request = parse_request({"model": MODEL, "input": "x" * num_chars}, websocket=False)
-        prepared = await service.prepare(request, DEFAULT_TENANT, None)
+        prepared = await prepare_request(service, {"model": MODEL, "input": "x" * num_chars})
     finally:
         del runtime.builder.full
     assert prepared.built.prompt_ids == build(KEY, None, [], [user("x" * num_chars)]).prompt_ids

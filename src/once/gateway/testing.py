@@ -9,6 +9,8 @@ protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
 import asyncio
 import contextlib
 import socket
+import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import uvicorn
@@ -16,7 +18,11 @@ import uvicorn
 from once.engine.scripted import ScriptedEngine
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
+from once.gateway.conversation import ConnectionCache
 from once.gateway.model import ModelRuntime
+from once.gateway.pipeline import ResponsePipeline
+from once.gateway.prepare import Prepared
+from once.gateway.responses_http import responses_encoder
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 10
@@ -83,4 +89,32 @@ async def serve_gateway(
         async with serve_app(app, tls=tls, ws_max_size=config.max_body_bytes) as (url, _):
             yield url, gateway
     finally:
-        await gateway.service.store.close()
+        await gateway.close()
+
+
+# -- the pipeline without a server: tests that look inside one response ---------------------
+
+
+def _transport(connection: ConnectionCache | None) -> str:
+    return "http" if connection is None else "websocket"
+
+
+async def prepare_request(
+    pipeline: ResponsePipeline, body: dict, connection: ConnectionCache | None = None
+) -> Prepared:
+    """Admit and prepare a Responses body as the front end would (WebSocket rules with a
+    connection)."""
+    admission = await pipeline.admit(
+        body, None, transport=_transport(connection), received_at=time.perf_counter()
+    )
+    return await pipeline.prepare(admission, connection)
+
+
+async def response_events(pipeline: ResponsePipeline, prepared: Prepared) -> AsyncIterator[dict]:
+    """The Responses events of a prepared response, one by one."""
+    encoder = responses_encoder(prepared)
+    stream = pipeline.stream(prepared, encoder, _transport(prepared.connection), list)
+    async with contextlib.aclosing(stream):
+        async for batch in stream:
+            for event in batch:
+                yield event

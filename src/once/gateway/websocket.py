@@ -20,10 +20,14 @@ param}}`; bad frames never close the connection. It closes itself, with
 import asyncio
 import json
 import time
+from contextlib import aclosing
 
 from fastapi import WebSocket, WebSocketDisconnect
 
-from once.gateway.responses import ConnectionCache
+from once.gateway.conversation import ConnectionCache
+from once.gateway.http_io import decode_json
+from once.gateway.pipeline import ResponsePipeline
+from once.gateway.responses_http import responses_encoder
 from once.protocol.errors import (
     ConnectionLimitError,
     InvalidRequestError,
@@ -32,6 +36,7 @@ from once.protocol.errors import (
     ResponseInFlightError,
 )
 
+TRANSPORT = "websocket"
 # Fields that belong to one message, never inherited by the next.
 _PER_MESSAGE = ("type", "input", "previous_response_id", "generate", "stream", "stream_id")
 # What a continuation of a *stored* response (another connection's) inherits from it.
@@ -56,9 +61,13 @@ def error_frame(error: OnceError, stream_id: str | None = None) -> dict:
     return frame
 
 
+def encode_frame(frame: dict) -> str:
+    return json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+
+
 class _Connection:
-    def __init__(self, gateway, socket: WebSocket):
-        self.gateway = gateway
+    def __init__(self, pipeline: ResponsePipeline, socket: WebSocket):
+        self.pipeline = pipeline
         self.socket = socket
         self.opened = time.monotonic()
         self.cache = ConnectionCache()
@@ -67,14 +76,17 @@ class _Connection:
         self.authorization = socket.headers.get("authorization")
 
     async def send(self, frame: dict) -> None:
-        text = json.dumps(frame, separators=(",", ":"), ensure_ascii=False)
+        await self.send_texts([encode_frame(frame)])
+
+    async def send_texts(self, texts: list[str]) -> None:
         async with self.send_lock:
-            await self.socket.send_text(text)
+            for text in texts:
+                await self.socket.send_text(text)
 
     async def serve(self) -> None:
-        gateway = self.gateway
+        pipeline = self.pipeline
         try:
-            gateway.keyring.authenticate(self.authorization)
+            pipeline.keyring.authenticate(self.authorization)
         except OnceError as e:
             await self.send(error_frame(e))
             await self.socket.close(code=1008)
@@ -83,11 +95,12 @@ class _Connection:
             message = await self.socket.receive()
             if message["type"] == "websocket.disconnect":
                 return
+            received_at = time.perf_counter()
             text = message.get("text")
             if text is None:
                 await self.send(error_frame(InvalidRequestError("binary frames are not supported")))
                 continue
-            gateway.metrics.received_bytes.labels("websocket").inc(len(text.encode()))
+            pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(text.encode()))
             try:
                 frame = self._decode(text)
             except OnceError as e:
@@ -98,23 +111,18 @@ class _Connection:
                 busy = ResponseInFlightError("a response is already in progress on this connection")
                 await self.send(error_frame(busy, stream_id))
                 continue
-            if time.monotonic() - self.opened > gateway.websocket_max_age_s:
+            if time.monotonic() - self.opened > pipeline.websocket_max_age_s:
                 limit = ConnectionLimitError(
-                    f"this connection is older than {gateway.websocket_max_age_s:.0f} s; "
+                    f"this connection is older than {pipeline.websocket_max_age_s:.0f} s; "
                     "open a new one (continue with previous_response_id)"
                 )
                 await self.send(error_frame(limit, stream_id))
                 await self.socket.close(code=1000)
                 return
-            self.inflight = asyncio.create_task(self._respond(frame, stream_id))
+            self.inflight = asyncio.create_task(self._respond(frame, stream_id, received_at))
 
     def _decode(self, text: str) -> dict:
-        try:
-            frame = json.loads(text)
-        except json.JSONDecodeError as e:
-            error = InvalidRequestError(f"the frame is not valid JSON: {e}")
-            error.code = "invalid_json"
-            raise error from None
+        frame = decode_json(text, "frame")
         if not isinstance(frame, dict):
             raise InvalidRequestError("a frame must be a JSON object", param="type")
         if frame.get("type") != "response.create":
@@ -124,33 +132,38 @@ class _Connection:
             )
         return frame
 
-    async def _respond(self, frame: dict, stream_id: str | None) -> None:
-        gateway = self.gateway
+    async def _respond(self, frame: dict, stream_id: str | None, received_at: float) -> None:
+        pipeline = self.pipeline
         body = {k: v for k, v in frame.items() if k not in ("type", "stream_id")}
-        last = "error"
+
+        def frames(events: list[dict]) -> list[str]:
+            if stream_id is not None:
+                for event in events:
+                    event["stream_id"] = stream_id
+            return [encode_frame(event) for event in events]
+
         try:
-            body = await self._inherit(body)
-            request, tenant = await gateway.admit(body, self.authorization, websocket=True)
-            prepared = await gateway.prepare(request, tenant, self.cache)
+            admission = await pipeline.admit(
+                body,
+                self.authorization,
+                transport=TRANSPORT,
+                received_at=received_at,
+                inherit=self._inherit,
+            )
+            prepared = await pipeline.prepare(admission, self.cache)
             # Known before the first event: the client may continue the moment it sees the
             # last one.
-            fields = {k: v for k, v in body.items() if k not in _PER_MESSAGE}
-            self.cache.remember_fields(prepared.builder.id, fields)
-            with gateway.metrics.inflight.track_inprogress():
-                async for event in gateway.service.stream(prepared, self.cache):
-                    if stream_id is not None:
-                        event["stream_id"] = stream_id
-                    t0 = time.perf_counter()  # a sync section's wall: thread_time is a syscall
-                    await self.send(event)
-                    prepared.cpu_s += time.perf_counter() - t0
-                    last = event["type"]
-            gateway.meter.record("request", prepared.cpu_s, len(prepared.built.prompt_ids))
+            inherited = {k: v for k, v in admission.body.items() if k not in _PER_MESSAGE}
+            self.cache.remember_fields(prepared.response_id, inherited)
+            encoder = responses_encoder(prepared)
+            batches = pipeline.stream(prepared, encoder, TRANSPORT, frames)
+            async with aclosing(batches):
+                async for texts in batches:
+                    await self.send_texts(texts)
         except OnceError as e:
             await self.send(error_frame(e, stream_id))
         except (WebSocketDisconnect, RuntimeError):
-            last = "disconnected"  # the client went away mid-stream; the engine is aborted
-        finally:
-            gateway.metrics.requests.labels("websocket", last).inc()
+            pass  # the client went away mid-stream; the engine request is aborted
 
     async def _inherit(self, body: dict) -> dict:
         previous = body.get("previous_response_id")
@@ -158,8 +171,8 @@ class _Connection:
             return body
         if previous in self.cache.fields:
             return {**self.cache.fields[previous], **body}
-        tenant = self.gateway.keyring.authenticate(self.authorization)
-        record = await self.gateway.service.store.get(previous, tenant.name)
+        tenant = self.pipeline.keyring.authenticate(self.authorization)
+        record = await self.pipeline.store.get(previous, tenant.name)
         if record is None:
             raise PreviousResponseNotFoundError(
                 f"previous response with id {previous!r} not found", param="previous_response_id"
@@ -174,14 +187,14 @@ class _Connection:
             await asyncio.gather(self.inflight, return_exceptions=True)
 
 
-async def serve_connection(gateway, socket: WebSocket) -> None:
+async def serve_connection(pipeline: ResponsePipeline, socket: WebSocket) -> None:
     await socket.accept()
-    connection = _Connection(gateway, socket)
-    gateway.metrics.websocket_connections.inc()
+    connection = _Connection(pipeline, socket)
+    pipeline.metrics.websocket_connections.inc()
     try:
         await connection.serve()
     except WebSocketDisconnect:
         pass
     finally:
         await connection.close()
-        gateway.metrics.websocket_connections.dec()
+        pipeline.metrics.websocket_connections.dec()

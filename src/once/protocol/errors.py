@@ -30,6 +30,20 @@ class InvalidRequestError(OnceError):
     error_type = "invalid_request_error"
 
 
+class InvalidJSONError(InvalidRequestError):
+    code = "invalid_json"
+
+
+class RouteNotFoundError(InvalidRequestError):
+    code = "not_found"
+    status = 404
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    code = "method_not_allowed"
+    status = 405
+
+
 class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
@@ -124,6 +138,9 @@ ERRORS_BY_CODE = {
     for cls in (
         OnceError,
         InvalidRequestError,
+        InvalidJSONError,
+        RouteNotFoundError,
+        MethodNotAllowedError,
         ContextLengthExceededError,
         RequestTooLargeForCacheError,
         ModelNotFoundError,

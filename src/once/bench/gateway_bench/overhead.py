@@ -1,10 +1,16 @@
 """Gateway overhead: the same load through the gateway and through the bare engine server.
 
 Both servers wrap the same scripted engine at zero latency and run in their own process;
-the load client runs in a third. The gateway's added latency at a percentile is its
-latency minus the engine server's at that percentile: what rendering, tokenization,
-detokenization, events and SSE framing add on top of serving the engine over HTTP. The
-gateway's CPU per call is its process CPU time over the run divided by the calls.
+the load client runs in a third. Two figures:
+
+- the time the gateway adds, as its pipeline measures it per response (admission, prepare,
+  the work per event batch and the writes; pipeline.py), read from the gateway's
+  `once_gateway_added_seconds` histogram after the run: a sum of durations, never below 0;
+- the end-to-end comparison: the gateway's latency minus the engine server's at the same
+  percentile. A difference of two percentiles of two separate runs, it swings with load
+  and can go negative; it is kept beside the first as the client's view.
+
+The gateway's CPU per call is its process CPU time over the run divided by the calls.
 """
 
 import json
@@ -71,12 +77,50 @@ def measure(
             capture_output=True, text=True, timeout=timeout_s, check=True,
         )  # fmt: skip
         cpu_s = process_cpu_s(server.pid) - cpu_before
+        added_buckets = scrape_histogram(url, ADDED_HISTOGRAM) if mode == "gateway" else {}
     finally:
         server.terminate()
         server.wait(10)
     result = json.loads(client.stdout.strip().splitlines()[-1])
     result["cpu_s"] = cpu_s
+    result["added_buckets"] = added_buckets
     return result
+
+
+ADDED_HISTOGRAM = "once_gateway_added_seconds"
+
+
+def scrape_histogram(url: str, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts from a /metrics page: {upper bound: count}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"{name}_bucket":
+                buckets[float(sample.labels["le"])] = sample.value
+    return buckets
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float:
+    """The q-quantile of cumulative buckets, linear within the bucket it falls in (as
+    Prometheus's histogram_quantile); the last finite bound when it falls in +Inf."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total == 0:
+        return float("nan")
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
 
 
 def summarize(mode: str, runs: list[dict]) -> dict:
@@ -104,7 +148,14 @@ def run(concurrency: int = 16, calls: int = 20, think_ms: float = 0.0, rounds: i
             runs[mode].append(measure(mode, concurrency, calls, think_ms))
     engine = summarize("engine", runs["engine"])
     gateway = summarize("gateway", runs["gateway"])
+    added: dict[float, float] = {}
+    for measured in runs["gateway"]:
+        for bound, count in measured["added_buckets"].items():
+            added[bound] = added.get(bound, 0.0) + count
     return {
+        "added_ms_p50": 1000 * histogram_quantile(added, 0.50),
+        "added_ms_p99": 1000 * histogram_quantile(added, 0.99),
+        "added_responses": added.get(float("inf"), 0.0),
         "concurrency": concurrency,
         "think_ms": think_ms,
         "rounds": rounds,

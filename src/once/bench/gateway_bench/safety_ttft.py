@@ -20,7 +20,8 @@ from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.safety import build_safety_checker, time_standalone
-from once.protocol.responses import message_text, parse_request
+from once.gateway.testing import prepare_request, response_events
+from once.protocol.responses import message_text
 
 
 def sample_requests(num: int) -> list[dict]:
@@ -40,13 +41,11 @@ def sample_requests(num: int) -> list[dict]:
 async def _ttfts(gateway, bodies) -> list[float]:
     ttfts = []
     for body in bodies:
-        request = parse_request(body)
-        tenant = gateway.keyring.authenticate(None)
         started = time.perf_counter()
-        prepared = await gateway.service.prepare(request, tenant)
+        prepared = await prepare_request(gateway, body)
         first = None
-        async for batch in gateway.service.stream_batches(prepared):
-            if first is None and any(e["type"] == "response.output_text.delta" for e in batch):
+        async for event in response_events(gateway, prepared):
+            if first is None and event["type"] == "response.output_text.delta":
                 first = time.perf_counter() - started
         ttfts.append(first if first is not None else float("nan"))
     return ttfts
@@ -73,7 +72,7 @@ async def measure(runtime, num_requests: int = 12) -> dict:
         gateway = create_gateway(GatewayConfig(store="memory"), engine, {runtime.name: model})
         await _ttfts(gateway, bodies[:2])  # warm
         results[name] = await _ttfts(gateway, bodies)
-        await gateway.service.store.close()
+        await gateway.close()
     added = statistics.median(results["on"]) - statistics.median(results["off"])
     return {
         "requests": len(bodies),

@@ -27,6 +27,7 @@ import openai
 from once.bench.replay.forced import ForcedOutputEngine
 from once.bench.replay.replicas import Fleet, open_fleet
 from once.gateway.config import GatewayConfig
+from once.gateway.pipeline import ResponsePipeline
 from once.gateway.render import NotIncrementalError
 
 TOKENIZER_MODEL = "smollm2-135m-instruct"
@@ -115,7 +116,7 @@ class Stack:
     spec: StackSpec
     engine: object  # the AsyncEngine
     forced: ForcedOutputEngine
-    gateway: object  # once.gateway.app.Gateway
+    gateway: ResponsePipeline
     client: openai.AsyncOpenAI
     builds: LoggingBuilder | None = None
     fleet: Fleet | None = None  # the replicas and router, when the engine is routed

@@ -1,79 +1,98 @@
-"""The event loop of one response: engine deltas in, Responses events out.
+"""One response's generation: engine deltas in, neutral output events out.
 
-`ResponsesService.stream_batches` runs one `StreamRunner` per response. It dispatches to
-the engine and starts the input check (and, on a sample, the verification of an
-incremental prompt) at the same moment; it coalesces the deltas that are ready into one
-batch of events; it detokenizes (DecodeStream's algorithm, one decode per batch) and
-parses `<tool_call>` blocks; under the `hold` policy it keeps output back until the check
-passes. The conversation state is saved before the final event goes out, since a client
-continues the moment it sees it.
+`Generation.events` dispatches to the engine and starts the input check at the same moment
+(the check hides behind prefill); it coalesces the deltas that are ready into one batch of
+events; it detokenizes (DecodeStream's algorithm, one decode per batch) and parses
+`<tool_call>` blocks; under the `hold` policy it keeps output back until the check passes,
+and a failed check ends the response with `content_filter` (the engine request aborted).
+The last batch holds `ResponseFinished`; `completed_normally` then says whether the
+conversation may be saved (not after a failure or a content filter).
 """
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable
 
 from once.gateway.detok import IncrementalDetokenizer
-from once.gateway.events import usage
+from once.gateway.metrics import GatewayMetrics
+from once.gateway.output import COMPLETED, FAILED, INCOMPLETE, OutputBuilder, OutputEvent, Usage
+from once.gateway.prepare import Prepared
+from once.gateway.safety import SafetyVerdict
 from once.gateway.toolcalls import TextDelta, ToolCallParsed, ToolCallStreamParser
 from once.gateway.validation import safety_texts
-from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, GenerateRequest
+from once.protocol.engine import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    EngineClient,
+    GenerateRequest,
+    SamplingParams,
+    TokenDelta,
+)
 from once.protocol.errors import OnceError
 
-if TYPE_CHECKING:  # responses.py imports this module
-    from once.gateway.responses import Prepared, ResponsesService
+EventBatch = list[OutputEvent]
 
 
-class StreamRunner:
-    """The event loop of one response: engine deltas in, Responses events out."""
-
-    def __init__(self, service: "ResponsesService", prepared: "Prepared", connection):
-        self.service = service
+class Generation:
+    def __init__(
+        self,
+        engine: EngineClient,
+        prepared: Prepared,
+        sampling: SamplingParams,
+        metrics: GatewayMetrics,
+        *,
+        stream_interval_s: float,
+        keep_until_done: Callable[[asyncio.Task], None],
+    ):
+        self.engine = engine
         self.prepared = prepared
-        self.connection = connection
-        self.builder = prepared.builder
+        self.sampling = sampling
+        self.metrics = metrics
+        self.stream_interval_s = stream_interval_s
+        self.keep_until_done = keep_until_done
+        self.output: OutputBuilder = prepared.output
         self.model = prepared.model
-        self.request_id = self.builder.id
+        self.request_id = prepared.response_id
         self.output_ids: list[int] = []
         self.cached_tokens = 0
         self.finish_reason: str | None = None
-        self.check: asyncio.Task | None = None
+        self.completed_normally = False
+        self.check: asyncio.Task[SafetyVerdict] | None = None
         self.first_token_at: float | None = None
         self.started = 0.0
-        self.detok_cpu_s = 0.0
+        self.detok_cpu_s = 0.0  # wall time of the synchronous sections, see _events
         self.last_batch_at = 0.0
-        self.verification: asyncio.Task | None = None
         self.engine_done = asyncio.Event()
         self._interval_waiter: asyncio.Future | None = None  # see _next
 
-    async def run(self) -> AsyncIterator[list[dict]]:
-        service, prepared = self.service, self.prepared
-        request = prepared.request
-        yield self.builder.started()
+    def usage(self) -> Usage:
+        num_prompt = len(self.prepared.built.prompt_ids)
+        return Usage(num_prompt, self.cached_tokens, len(self.output_ids))
+
+    async def events(self) -> AsyncIterator[EventBatch]:
+        prepared = self.prepared
+        yield self.output.started()
         engine_request = GenerateRequest(
             request_id=self.request_id,
             prompt_token_ids=tuple(prepared.built.prompt_ids),
-            sampling=service.sampling(prepared),
-            session_key=request.prompt_cache_key,
+            sampling=self.sampling,
+            session_key=prepared.request.prompt_cache_key,
             cache_salt=prepared.tenant.name,
         )
         deltas: asyncio.Queue = asyncio.Queue()
-        # Dispatch and the input check start together: the check hides behind prefill.
         pump = asyncio.create_task(self._pump(engine_request, deltas))
-        self.verification = service.start_verification(prepared)
         if self.model.safety is not None:
-            # Warm-ups too: their items join the chain, and continuations check only theirs.
             texts = safety_texts(prepared.new_items)
             self.check = asyncio.create_task(self.model.safety.check(texts))
         try:
             async for batch in self._events(deltas):
-                yield batch
+                if batch:
+                    yield batch
         except OnceError as e:
-            service.metrics.failed.inc()
-            used = usage(len(prepared.built.prompt_ids), self.cached_tokens, len(self.output_ids))
+            self.metrics.failed.inc()
             error = {"code": e.code, "message": e.message}
-            yield self.builder.finished("failed", used, error=error)
+            yield self.output.finish(FAILED, self.usage(), error=error)
         finally:
             if not pump.done():
                 if self.engine_done.is_set():
@@ -81,17 +100,17 @@ class StreamRunner:
                     # remote engine, handing the HTTP connection back to its pool). Cut
                     # there by a cancel, the connection would never go back; and a
                     # finished request has nothing to abort.
-                    service.keep_until_done(pump)
+                    self.keep_until_done(pump)
                 else:
                     pump.cancel()
-                    await service.engine.abort(self.request_id)
+                    await self.engine.abort(self.request_id)
             if self.check is not None:
                 self.check.cancel()
 
-    async def _events(self, deltas: asyncio.Queue) -> AsyncIterator[list[dict]]:
-        service, prepared = self.service, self.prepared
+    async def _events(self, deltas: asyncio.Queue) -> AsyncIterator[EventBatch]:
+        prepared = self.prepared
         hold = self.check is not None and self.model.safety.policy == "hold"
-        held: list[dict] = []  # under `hold`: output waiting for the check to pass
+        held: EventBatch = []  # under `hold`: output waiting for the check to pass
         detok = IncrementalDetokenizer(
             self.model.tokenizer.backend_tokenizer,
             prefix_ids=prepared.built.prompt_ids[-8:],
@@ -102,7 +121,7 @@ class StreamRunner:
         while not done:
             if self.check is not None and self.check.done():
                 if await self._check_failed():
-                    yield self._filtered(held if hold else [])
+                    yield self._filtered(bool(held) and hold)
                     return
                 hold = False
                 yield held
@@ -123,25 +142,25 @@ class StreamRunner:
                 yield events
         if self.check is not None:  # the output ended before the check did
             if await self._check_failed():
-                yield self._filtered(held if hold else [])
+                yield self._filtered(bool(held) and hold)
                 return
             yield held
+        t0 = time.perf_counter()
         final = self._finish(detok, parser)
-        service._on_cpu("detokenize", self.detok_cpu_s, len(self.output_ids))
-        prepared.cpu_s += self.detok_cpu_s
-        # Saved before the final event goes out: a client continues as soon as it sees it.
-        await service.save(prepared, self.output_ids, self.connection, self.verification)
+        self.detok_cpu_s += time.perf_counter() - t0
+        self.completed_normally = True
         yield final
 
     async def _check_failed(self) -> bool:
+        assert self.check is not None
         verdict = await self.check
         self.check = None
-        self.service.metrics.record_safety(verdict, self.first_token_at, self.started)
+        self.metrics.record_safety(verdict, self.first_token_at, self.started)
         return verdict.flagged
 
-    async def _pump(self, engine_request, deltas: asyncio.Queue) -> None:
+    async def _pump(self, engine_request: GenerateRequest, deltas: asyncio.Queue) -> None:
         try:
-            async for delta in self.service.engine.generate(engine_request):
+            async for delta in self.engine.generate(engine_request):
                 deltas.put_nowait(delta)
                 if delta.finished:
                     self._set_engine_done()
@@ -154,7 +173,7 @@ class StreamRunner:
         if self._interval_waiter is not None and not self._interval_waiter.done():
             self._interval_waiter.set_result(None)  # the last delta ends the interval early
 
-    async def _next(self, deltas: asyncio.Queue, check):
+    async def _next(self, deltas: asyncio.Queue, check) -> list | None:
         """All deltas available now (coalesced), or None when the check finishes first.
 
         Stream interval: after a batch, the next one is not taken before `stream_interval_s`
@@ -165,7 +184,7 @@ class StreamRunner:
         so the final event is never held back. A check that finishes during the wait is
         handled after it (at most one interval later).
         """
-        wait = self.last_batch_at + self.service.stream_interval_s - time.perf_counter()
+        wait = self.last_batch_at + self.stream_interval_s - time.perf_counter()
         if wait > 0 and not self.engine_done.is_set():
             # A future and a timer, not wait_for(Event.wait()), which costs a task per batch.
             loop = asyncio.get_running_loop()
@@ -194,19 +213,18 @@ class StreamRunner:
         self.last_batch_at = time.perf_counter()
         return items
 
-    def _on_deltas(self, items, detok, parser) -> tuple[list[dict], bool]:
-        events: list[dict] = []
+    def _on_deltas(self, items: list, detok, parser) -> tuple[EventBatch, bool]:
         new_ids: list[int] = []  # the batch's ids, detokenized in one call
         for delta in items:
             if isinstance(delta, OnceError):
                 raise delta
             if isinstance(delta, BaseException):
                 raise OnceError(f"the engine failed: {delta!r}") from delta
+            assert isinstance(delta, TokenDelta)
             if delta.num_cached_tokens is not None:
                 self.cached_tokens = delta.num_cached_tokens
-            if self.prepared.request.generate:
-                self.output_ids.extend(delta.token_ids)
-                new_ids.extend(delta.token_ids)
+            self.output_ids.extend(delta.token_ids)
+            new_ids.extend(delta.token_ids)
             if delta.finished:
                 self.finish_reason = delta.finish_reason
                 if delta.finish_reason == FINISH_ERROR:
@@ -214,67 +232,52 @@ class StreamRunner:
                     raise OnceError(error.get("message", "the engine failed this request"))
                 break
         text = detok.push(new_ids) if new_ids else ""
-        if text:
-            events.extend(self._text_events(text, parser))
+        events = self._text_events(text, parser) if text else []
         return events, self.finish_reason is not None
 
-    def _text_events(self, text: str, parser) -> list[dict]:
+    def _text_events(self, text: str, parser) -> EventBatch:
         if parser is None:
-            return self.builder.text_delta(text)
-        events: list[dict] = []
+            return self.output.text(text)
+        events: EventBatch = []
         for parsed in parser.feed(text):
             events.extend(self._parsed_events(parsed))
         return events
 
-    def _parsed_events(self, parsed) -> list[dict]:
+    def _parsed_events(self, parsed) -> EventBatch:
         if isinstance(parsed, TextDelta):
-            return self.builder.text_delta(parsed.text) if parsed.text else []
+            return self.output.text(parsed.text) if parsed.text else []
         if isinstance(parsed, ToolCallParsed):
-            calls = [o for o in self.builder.response["output"] if o["type"] == "function_call"]
-            if calls and not self.prepared.request.parallel_tool_calls:
+            if self.output.num_function_calls and not self.prepared.request.parallel_tool_calls:
                 return []  # parallel_tool_calls=false: the first call only
-            return self.builder.function_call(parsed.name, parsed.arguments)
-        return self.builder.text_delta(parsed.raw)  # malformed: shown as the text it was
+            return self.output.function_call(parsed.name, parsed.arguments)
+        return self.output.text(parsed.raw)  # malformed: shown as the text it was
 
-    def _finish(self, detok, parser) -> list[dict]:
-        events: list[dict] = []
+    def _finish(self, detok, parser) -> EventBatch:
+        events: EventBatch = []
         tail = detok.flush()
         if tail:
             events.extend(self._text_events(tail, parser))
         if parser is not None:
             for parsed in parser.finish():
                 events.extend(self._parsed_events(parsed))
-        built = self.prepared.built
-        used = usage(len(built.prompt_ids), self.cached_tokens, len(self.output_ids))
-        if not self.prepared.request.generate:
-            used["output_tokens"] = used["total_tokens"] = 0
-            used["total_tokens"] = len(built.prompt_ids)
-            self.output_ids = []
-        self.service.metrics.record_usage(used)
-        if self.finish_reason == FINISH_LENGTH and self.prepared.request.generate:
-            events.extend(self.builder.finished("incomplete", used, reason="max_output_tokens"))
+        usage = self.usage()
+        self.metrics.record_usage(usage)
+        if self.finish_reason == FINISH_LENGTH:
+            events.extend(self.output.finish(INCOMPLETE, usage, reason="max_output_tokens"))
         elif self.finish_reason == FINISH_ABORT:
-            events.extend(self.builder.finished("incomplete", used, reason="cancelled"))
+            events.extend(self.output.finish(INCOMPLETE, usage, reason="cancelled"))
         else:
-            events.extend(self.builder.finished("completed", used))
+            events.extend(self.output.finish(COMPLETED, usage))
         return events
 
-    def _filtered(self, held: list[dict]) -> list[dict]:
+    def _filtered(self, drop_output: bool) -> EventBatch:
         """The input check failed: stop the engine and end with content_filter."""
-        self.service.metrics.content_filtered.inc()
-        built = self.prepared.built
-        used = usage(len(built.prompt_ids), self.cached_tokens, len(self.output_ids))
-        # Under `hold` nothing was shown; drop the held output from the stored response.
-        if held:
-            self.builder.response["output"] = []
-            self.builder._open_message = None
-        return self.builder.finished("incomplete", used, reason="content_filter")
+        self.metrics.content_filtered.inc()
+        if drop_output:
+            self.output.discard()  # under `hold` nothing was shown: the response has none
+        return self.output.finish(INCOMPLETE, self.usage(), reason="content_filter")
 
 
 def _resolve(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
-
-
-def _finished(item) -> bool:
-    return isinstance(item, BaseException) or item.finished

@@ -1,0 +1,154 @@
+"""A response's output as the pipeline produces it, before any API gives it a shape.
+
+The pipeline emits these protocol-neutral events; each API's encoder (Responses events,
+and the other APIs' chunks) turns them into its own wire events. `OutputBuilder` keeps the
+output items in the conversation's canonical form, which is the Responses API's item
+shape (a `message` with one `output_text` part, a `function_call`): that is what the
+renderer reads back when the conversation continues, and what the store keeps.
+
+Order, always: `ResponseStarted`, then per item either `MessageOpened`, one or more
+`OutputTextDelta`, `MessageClosed`, or one `FunctionCallEmitted`; `ResponseFinished` last.
+Events carry copies of the items, so an encoder may keep them.
+"""
+
+import secrets
+from dataclasses import dataclass
+
+COMPLETED = "completed"
+INCOMPLETE = "incomplete"  # with a reason: max_output_tokens, content_filter, cancelled
+FAILED = "failed"  # with an error {code, message}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    response_id: str
+    created_at: int
+
+
+@dataclass(frozen=True)
+class MessageOpened:
+    output_index: int
+    item: dict  # the assistant message, content still empty
+
+
+@dataclass(frozen=True)
+class OutputTextDelta:
+    output_index: int
+    item_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class MessageClosed:
+    output_index: int
+    item: dict  # the whole message, its text complete
+
+
+@dataclass(frozen=True)
+class FunctionCallEmitted:
+    output_index: int
+    item: dict  # a complete function_call item (calls are parsed whole)
+
+
+@dataclass(frozen=True)
+class ResponseFinished:
+    status: str  # COMPLETED | INCOMPLETE | FAILED
+    usage: Usage
+    reason: str | None = None  # why INCOMPLETE
+    error: dict | None = None  # what FAILED: {code, message}
+
+
+OutputEvent = (
+    ResponseStarted
+    | MessageOpened
+    | OutputTextDelta
+    | MessageClosed
+    | FunctionCallEmitted
+    | ResponseFinished
+)
+
+
+class OutputBuilder:
+    """One response's output items, handed out as neutral events in order."""
+
+    def __init__(self, response_id: str, created_at: int):
+        self.response_id = response_id
+        self.created_at = created_at
+        self.items: list[dict] = []
+        self.finished: ResponseFinished | None = None
+        self._open_message: dict | None = None
+
+    def started(self) -> list[OutputEvent]:
+        return [ResponseStarted(self.response_id, self.created_at)]
+
+    def text(self, text: str) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        message = self._open_message
+        if message is None:
+            message = self._open_message = {
+                "id": new_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+            }
+            self.items.append(message)
+            events.append(MessageOpened(len(self.items) - 1, {**message, "content": []}))
+        message["content"][0]["text"] += text
+        events.append(OutputTextDelta(len(self.items) - 1, message["id"], text))
+        return events
+
+    def function_call(self, name: str, arguments: str) -> list[OutputEvent]:
+        events = self._close_message(COMPLETED)
+        item = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "status": "completed",
+            "call_id": new_id("call"),
+            "name": name,
+            "arguments": arguments,
+        }
+        self.items.append(item)
+        events.append(FunctionCallEmitted(len(self.items) - 1, dict(item)))
+        return events
+
+    @property
+    def num_function_calls(self) -> int:
+        return sum(item["type"] == "function_call" for item in self.items)
+
+    def discard(self) -> None:
+        """Drop everything produced so far (held output the input check refused)."""
+        self.items = []
+        self._open_message = None
+
+    def finish(
+        self, status: str, usage: Usage, *, reason: str | None = None, error: dict | None = None
+    ) -> list[OutputEvent]:
+        events = self._close_message(COMPLETED if status == COMPLETED else INCOMPLETE)
+        self.finished = ResponseFinished(status, usage, reason, error)
+        events.append(self.finished)
+        return events
+
+    def _close_message(self, status: str) -> list[OutputEvent]:
+        message = self._open_message
+        if message is None:
+            return []
+        self._open_message = None
+        message["status"] = status
+        item = {**message, "content": [dict(part) for part in message["content"]]}
+        return [MessageClosed(self.items.index(message), item)]

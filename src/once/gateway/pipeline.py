@@ -1,0 +1,279 @@
+"""One response's whole life in the gateway, for every API and transport.
+
+    admit    schema -> semantics -> API key -> request rate limit      (400/401/404/429)
+    prepare  previous state -> render + tokenize (only the new items of a continuation)
+             -> context length -> token rate limit
+    stream   dispatch to the EngineClient with the input check beside it -> detokenize,
+             parse tool calls -> neutral output events -> the API's encoder -> framing;
+             the conversation is saved before the final event goes out, since a client
+             continues the moment it sees it
+
+Front ends (HTTP JSON, SSE, WebSocket) only decode what arrived and write what `stream`
+yields. The in-flight gauge, the request counter, the CPU meter and the time the gateway
+adds are recorded here, once. A warm-up (`generate: false`) is its own short path: a
+one-token prefill, no output, and the context saved for the continuation.
+
+The time the gateway adds to a response is the wall time of its own sections: admission,
+preparation, the work per event batch (detokenize, parse, encode, frame), the save, and
+the writes (from handing a batch to the front end until it asks for the next). Waiting for
+the engine, the input check and the stream interval are not counted: it is a sum of
+durations, so it cannot go below zero.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from once.gateway.auth import KeyRing, Tenant
+from once.gateway.capacity import CpuCostMeter
+from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
+from once.gateway.generation import EventBatch, Generation
+from once.gateway.metrics import GatewayMetrics
+from once.gateway.model import ModelRuntime
+from once.gateway.output import COMPLETED
+from once.gateway.prepare import Prepared, PromptPreparer
+from once.gateway.ratelimit import RateLimiter
+from once.gateway.store import ResponseStore
+from once.gateway.tokens import ConversationState
+from once.gateway.validation import check_semantics
+from once.gateway.warm_up import warm_up_events
+from once.protocol.engine import EngineClient, SamplingParams
+from once.protocol.errors import OnceError
+from once.protocol.responses import ResponsesRequest, parse_request
+
+
+class EventEncoder(Protocol):
+    """An API's side of a response: neutral output events in, its wire events out."""
+
+    def encode(self, events: EventBatch) -> list[dict]: ...
+
+    def api_object(self) -> dict: ...  # the finished response as the API returns it
+
+
+Frame = Callable[[list[dict]], object]  # a batch of wire events -> what the transport writes
+
+
+@dataclass
+class FinalSave:
+    """What the last batch leaves to save: the state's ids, the sampled ids, and whether."""
+
+    token_ids: list[int]
+    output_ids: list[int]
+    save: bool
+    verification: asyncio.Task[bool] | None = None
+
+
+@dataclass
+class Admission:
+    body: dict  # as decoded, after what a WebSocket continuation inherits
+    request: ResponsesRequest
+    tenant: Tenant
+    model: ModelRuntime
+    transport: str
+    admit_s: float
+
+
+class ResponsePipeline:
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: dict[str, ModelRuntime],
+        store: ResponseStore,
+        metrics: GatewayMetrics,
+        meter: CpuCostMeter,
+        keyring: KeyRing,
+        limiter: RateLimiter,
+        *,
+        verify_every: int = 32,
+        stream_interval_s: float = 0.002,
+        max_body_bytes: int = 32 * 1024 * 1024,
+        websocket_max_age_s: float = 3600.0,
+    ):
+        self.engine = engine
+        self.models = models
+        self.store = store
+        self.metrics = metrics
+        self.meter = meter
+        self.keyring = keyring
+        self.limiter = limiter
+        self.stream_interval_s = stream_interval_s
+        self.max_body_bytes = max_body_bytes
+        self.websocket_max_age_s = websocket_max_age_s
+        self.conversations = Conversations(store)
+        self.preparer = PromptPreparer(
+            self.conversations, metrics, self.meter.record, verify_every=verify_every
+        )
+        self.num_inflight = 0
+        self._verifications: set[asyncio.Task] = set()
+        self._background: set[asyncio.Task] = set()  # engine streams winding down
+
+    # -- before the first event ------------------------------------------------------------
+
+    async def admit(
+        self,
+        body: object,
+        authorization: str | None,
+        *,
+        transport: str,
+        received_at: float,
+        inherit: Callable[[dict], Awaitable[dict]] | None = None,
+    ) -> Admission:
+        """Semantic checks come before auth, as OpenAI's API orders them."""
+        try:
+            if inherit is not None and isinstance(body, dict):
+                body = await inherit(body)
+            request = parse_request(body, websocket=transport == "websocket")
+            model = check_semantics(request, self.models)
+            tenant = self.keyring.authenticate(authorization)
+            await self.limiter.hit_request(tenant)
+        except OnceError:
+            self.metrics.requests.labels(transport, "error").inc()
+            raise
+        admit_s = time.perf_counter() - received_at
+        assert isinstance(body, dict)  # parse_request refuses anything else
+        return Admission(body, request, tenant, model, transport, admit_s)
+
+    async def prepare(
+        self, admission: Admission, connection: ConnectionCache | None = None
+    ) -> Prepared:
+        t0 = time.perf_counter()
+        try:
+            prepared = await self.preparer.prepare(
+                admission.request, admission.tenant, admission.model, connection, int(time.time())
+            )
+            await self.limiter.hit_tokens(admission.tenant, len(prepared.built.prompt_ids))
+        except OnceError:
+            self.metrics.requests.labels(admission.transport, "error").inc()
+            raise
+        prepared.added.admit_s = admission.admit_s
+        prepared.added.prepare_s = time.perf_counter() - t0
+        return prepared
+
+    def load_report_header(self) -> str:
+        return self.meter.load_report_header(self.num_inflight)
+
+    # -- the stream ------------------------------------------------------------------------
+
+    async def stream(
+        self, prepared: Prepared, encoder: EventEncoder, transport: str, frame: Frame
+    ) -> AsyncIterator:
+        """The response's framed batches; its accounting, whatever way it ends."""
+        added = prepared.added
+        outcome = last_type = "disconnected"  # a stream closed early: the client left
+        self.num_inflight += 1
+        self.metrics.inflight.inc()
+        try:
+            async for events, final in self._batches(prepared):
+                t0 = time.perf_counter()
+                wire = encoder.encode(events)
+                if final is not None:
+                    # Saved before the final event goes out: a client continues at once.
+                    await self._save(prepared, final, encoder)
+                framed = frame(wire)
+                t1 = time.perf_counter()
+                prepared.cpu_s += t1 - t0
+                added.events_s += t1 - t0
+                if wire:
+                    last_type = wire[-1]["type"]
+                yield framed
+                added.writes_s += time.perf_counter() - t1
+            outcome = last_type
+        finally:
+            self.num_inflight -= 1
+            self.metrics.inflight.dec()
+            self.metrics.requests.labels(transport, outcome).inc()
+            self.meter.record("request", prepared.cpu_s, len(prepared.built.prompt_ids))
+            self.metrics.record_added_time(added)
+
+    async def _batches(
+        self, prepared: Prepared
+    ) -> AsyncIterator[tuple[EventBatch, FinalSave | None]]:
+        """Neutral event batches, the last one paired with what to save (or not)."""
+        if not prepared.request.generate:
+            sampling = replace(self.sampling(prepared), max_tokens=1)
+            async for batch in warm_up_events(self.engine, prepared, sampling, self.metrics):
+                finished = prepared.output.finished
+                if finished is None:
+                    yield batch, None
+                else:
+                    context = list(prepared.built.context_ids)
+                    yield batch, FinalSave(context, [], finished.status == COMPLETED)
+            return
+        generation = Generation(
+            self.engine,
+            prepared,
+            self.sampling(prepared),
+            self.metrics,
+            stream_interval_s=self.stream_interval_s,
+            keep_until_done=self._keep_until_done,
+        )
+        verification = self._start_verification(prepared)
+        async for batch in generation.events():
+            if prepared.output.finished is None:
+                yield batch, None
+                continue
+            self.meter.record("detokenize", generation.detok_cpu_s, len(generation.output_ids))
+            prepared.cpu_s += generation.detok_cpu_s
+            prepared.added.events_s += generation.detok_cpu_s
+            ids = generation.output_ids
+            token_ids = prepared.built.prompt_ids + ids
+            yield batch, FinalSave(token_ids, ids, generation.completed_normally, verification)
+
+    def sampling(self, prepared: Prepared) -> SamplingParams:
+        request, model = prepared.request, prepared.model
+        room = model.max_model_len - len(prepared.built.prompt_ids)
+        return SamplingParams(
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            max_tokens=min(request.max_output_tokens or room, room),
+            stop_token_ids=tuple(sorted(model.builder.eos_ids)),
+        )
+
+    async def _save(self, prepared: Prepared, final: FinalSave, encoder: EventEncoder) -> None:
+        if not final.save:
+            return
+        built, request = prepared.built, prepared.request
+        items = None
+        if prepared.items is not None:
+            items = prepared.items + tuple(prepared.output.items)
+        state = ConversationState(
+            render_key=built.render_key,
+            token_ids=final.token_ids,
+            after_output=bool(final.output_ids),
+            items=items,
+        )
+        turn = SavedTurn(
+            response_id=prepared.response_id,
+            tenant=prepared.tenant.name,
+            state=state,
+            store=request.store,
+            api_object=encoder.api_object() if request.store else {},
+            new_items=list(prepared.new_items),
+            previous_response_id=request.previous_response_id,
+            prompt_token_ids=final.token_ids if not final.output_ids else built.prompt_ids,
+            output_token_ids=final.output_ids,
+        )
+        await self.conversations.save(turn, prepared.connection, final.verification)
+
+    def _start_verification(self, prepared: Prepared) -> asyncio.Task[bool] | None:
+        task = self.preparer.start_verification(prepared)
+        if task is not None:
+            self._verifications.add(task)
+            task.add_done_callback(self._verifications.discard)
+        return task
+
+    def _keep_until_done(self, task: asyncio.Task) -> None:
+        """Hold a reference to a task left to finish on its own (the loop keeps weak ones)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_verifications(self) -> None:
+        """Wait for the background verifications (tests, and a clean shutdown)."""
+        while self._verifications:
+            await asyncio.gather(*list(self._verifications), return_exceptions=True)
+        await self.conversations.drain()
+
+    async def close(self) -> None:
+        await self.store.close()

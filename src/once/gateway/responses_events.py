@@ -1,0 +1,182 @@
+"""The Responses API's encoder: neutral output events in, Responses stream events out.
+
+`ResponsesEncoder` owns one response object and hands out its stream events in order,
+each with the next `sequence_number`. Shapes follow the official SDK's types (`Response`,
+`ResponseStreamEvent`); the tests parse every object and event with them.
+"""
+
+from once.gateway.output import (
+    FunctionCallEmitted,
+    MessageClosed,
+    MessageOpened,
+    OutputEvent,
+    OutputTextDelta,
+    ResponseFinished,
+    ResponseStarted,
+    Usage,
+)
+from once.protocol.responses import ResponsesRequest
+
+
+def response_usage(usage: Usage) -> dict:
+    # The SDK requires `cache_write_tokens`: the prompt tokens the engine computed, whose
+    # KV its prefix cache now holds for the next turn.
+    details = {
+        "cached_tokens": usage.cached_tokens,
+        "cache_write_tokens": usage.input_tokens - usage.cached_tokens,
+    }
+    return {
+        "input_tokens": usage.input_tokens,
+        "input_tokens_details": details,
+        "output_tokens": usage.output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.total_tokens,
+    }
+
+
+class ResponsesEncoder:
+    def __init__(self, request: ResponsesRequest, response_id: str, created_at: int):
+        self.sequence_number = 0
+        self.response = {
+            "id": response_id,
+            "object": "response",
+            "created_at": created_at,
+            "status": "in_progress",
+            "error": None,
+            "incomplete_details": None,
+            "instructions": request.instructions,
+            "max_output_tokens": request.max_output_tokens,
+            "model": request.model,
+            "output": [],
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": request.previous_response_id,
+            "prompt_cache_key": request.prompt_cache_key,
+            "store": request.store,
+            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": request.tool_choice,
+            "tools": list(request.tools),
+            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "truncation": "disabled",
+            "usage": None,
+            "metadata": request.metadata or {},
+        }
+
+    def snapshot(self) -> dict:
+        # Events carry the response as it was then, not a reference that later changes.
+        return {**self.response, "output": [dict(item) for item in self.response["output"]]}
+
+    def api_object(self) -> dict:
+        """The response as GET /v1/responses/{id} and a non-streaming reply return it."""
+        return self.snapshot()
+
+    def encode(self, events: list[OutputEvent]) -> list[dict]:
+        wire: list[dict] = []
+        for event in events:
+            wire.extend(self._encode(event))
+        return wire
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+    def _encode(self, event: OutputEvent) -> list[dict]:
+        if isinstance(event, OutputTextDelta):  # the common case first
+            part = self.response["output"][event.output_index]["content"][0]
+            part["text"] += event.text
+            return [
+                self._event(
+                    "response.output_text.delta",
+                    item_id=event.item_id,
+                    output_index=event.output_index,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=[],
+                )
+            ]
+        if isinstance(event, ResponseStarted):
+            return [
+                self._event("response.created", response=self.snapshot()),
+                self._event("response.in_progress", response=self.snapshot()),
+            ]
+        if isinstance(event, MessageOpened):
+            return self._message_opened(event)
+        if isinstance(event, MessageClosed):
+            return self._message_closed(event)
+        if isinstance(event, FunctionCallEmitted):
+            return self._function_call(event)
+        if isinstance(event, ResponseFinished):
+            return self._finished(event)
+        raise TypeError(f"not an output event: {event!r}")
+
+    def _message_opened(self, event: MessageOpened) -> list[dict]:
+        item = {**event.item, "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        self.response["output"].append({**item, "content": [part]})
+        return [
+            self._event("response.output_item.added", output_index=event.output_index, item=item),
+            self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=event.output_index,
+                content_index=0,
+                part=dict(part),
+            ),
+        ]
+
+    def _message_closed(self, event: MessageClosed) -> list[dict]:
+        message, index = event.item, event.output_index
+        self.response["output"][index] = message
+        part = message["content"][0]
+        return [
+            self._event(
+                "response.output_text.done",
+                item_id=message["id"],
+                output_index=index,
+                content_index=0,
+                text=part["text"],
+                logprobs=[],
+            ),
+            self._event(
+                "response.content_part.done",
+                item_id=message["id"],
+                output_index=index,
+                content_index=0,
+                part=dict(part),
+            ),
+            self._event("response.output_item.done", output_index=index, item=dict(message)),
+        ]
+
+    def _function_call(self, event: FunctionCallEmitted) -> list[dict]:
+        item, index = event.item, event.output_index
+        self.response["output"].append(item)
+        added = {**item, "status": "in_progress", "arguments": ""}
+        # The call is parsed whole (see toolcalls.py), so its arguments arrive in one delta.
+        return [
+            self._event("response.output_item.added", output_index=index, item=added),
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=item["arguments"],
+            ),
+            self._event(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]
+
+    def _finished(self, event: ResponseFinished) -> list[dict]:
+        response = self.response
+        response["status"] = event.status
+        response["usage"] = response_usage(event.usage)
+        if event.status == "incomplete":
+            response["incomplete_details"] = {"reason": event.reason}
+        if event.status == "failed":
+            response["error"] = event.error
+        return [self._event(f"response.{event.status}", response=self.snapshot())]

@@ -1,0 +1,100 @@
+"""The Responses API over HTTP: `POST /v1/responses` as JSON or SSE, and stored responses.
+
+A thin front end: it reads the bounded body, hands it to the pipeline, and writes what the
+pipeline yields, either the final response object (JSON) or the events as SSE frames.
+"""
+
+import time
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from once.gateway.capacity import LOAD_REPORT_HEADER
+from once.gateway.http_io import decode_json, error_response, read_body
+from once.gateway.input_items import chain_items, page, parse_query
+from once.gateway.pipeline import ResponsePipeline
+from once.gateway.prepare import Prepared
+from once.gateway.responses_events import ResponsesEncoder
+from once.gateway.sse import sse_frame
+from once.protocol.errors import InvalidRequestError, ResponseNotFoundError, error_from_dict
+
+TRANSPORT = "http"
+
+
+def sse_chunk(events: list[dict]) -> bytes:
+    return b"".join(sse_frame(event) for event in events)
+
+
+def no_frames(events: list[dict]) -> None:
+    return None
+
+
+def responses_encoder(prepared: Prepared) -> ResponsesEncoder:
+    return ResponsesEncoder(prepared.request, prepared.response_id, prepared.created_at)
+
+
+def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
+    router = APIRouter()
+    metrics = pipeline.metrics
+
+    @router.post("/v1/responses")
+    async def create_response(http: Request):
+        body = await read_body(http, pipeline.max_body_bytes)
+        received_at = time.perf_counter()
+        metrics.received_bytes.labels(TRANSPORT).inc(len(body))
+        admission = await pipeline.admit(
+            decode_json(body),
+            http.headers.get("authorization"),
+            transport=TRANSPORT,
+            received_at=received_at,
+        )
+        if not admission.request.generate:
+            raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
+        prepared = await pipeline.prepare(admission)
+        encoder = responses_encoder(prepared)
+        headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
+        if admission.request.stream:
+            return StreamingResponse(
+                pipeline.stream(prepared, encoder, TRANSPORT, sse_chunk),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
+            async for _ in batches:
+                pass
+        response = encoder.api_object()
+        if response["status"] == "failed":
+            error = response.get("error") or {}
+            failure = error_from_dict(
+                {"code": error.get("code"), "message": error.get("message", "the response failed")}
+            )
+            return error_response(failure)
+        return JSONResponse(response, headers=headers)
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, http: Request):
+        tenant = pipeline.keyring.authenticate(http.headers.get("authorization"))
+        record = await pipeline.store.get(response_id, tenant.name)
+        if record is None:
+            raise ResponseNotFoundError(f"no response with id {response_id!r}", param="id")
+        return JSONResponse(record.response)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, http: Request):
+        tenant = pipeline.keyring.authenticate(http.headers.get("authorization"))
+        order, limit, after = parse_query(http.query_params)
+        record = await pipeline.store.get(response_id, tenant.name)
+        if record is None:
+            raise ResponseNotFoundError(f"no response with id {response_id!r}", param="id")
+        items = await chain_items(pipeline.store, record, tenant.name)
+        return JSONResponse(page(items, order, limit, after))
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, http: Request):
+        tenant = pipeline.keyring.authenticate(http.headers.get("authorization"))
+        if not await pipeline.store.delete(response_id, tenant.name):
+            raise ResponseNotFoundError(f"no response with id {response_id!r}", param="id")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    return router
