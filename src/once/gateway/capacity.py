@@ -28,8 +28,15 @@ import prometheus_client
 
 STAGES = ("render", "tokenize", "detokenize", "request")
 LOAD_REPORT_HEADER = "endpoint-load-metrics"  # ORCA's name; Envoy and vLLM read and write it
-HEADER_NAMED_METRICS = ("inflight", "cores", "render_ms_per_1k", "tokenize_ms_per_1k")
-HEADER_NAMED_METRICS += ("detokenize_ms_per_1k", "request_ms", "cpu_ms_per_request")
+HEADER_NAMED_METRICS = (
+    "inflight",
+    "cores",
+    "render_ms_per_1k",
+    "tokenize_ms_per_1k",
+    "detokenize_ms_per_1k",
+    "request_ms",
+    "cpu_ms_per_request",
+)
 MIN_DECAY_FACTOR = 1e-9  # after a long idle spell old data fades out but never underflows to 0/0
 
 

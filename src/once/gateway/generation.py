@@ -109,7 +109,8 @@ class Generation:
 
     async def _events(self, deltas: asyncio.Queue) -> AsyncIterator[EventBatch]:
         prepared = self.prepared
-        hold = self.check is not None and self.model.safety.policy == "hold"
+        safety = self.model.safety
+        hold = self.check is not None and safety is not None and safety.policy == "hold"
         held: EventBatch = []  # under `hold`: output waiting for the check to pass
         detok = IncrementalDetokenizer(
             self.model.tokenizer.backend_tokenizer,

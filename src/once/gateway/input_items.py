@@ -53,7 +53,10 @@ def listed(item: dict, owner_id: str, index: int) -> dict:
         content = item.get("content")
         if isinstance(content, str):
             assistant = item.get("role") == "assistant"
-            part = {"type": "output_text" if assistant else "input_text", "text": content}
+            part: dict[str, object] = {
+                "type": "output_text" if assistant else "input_text",
+                "text": content,
+            }
             if assistant:
                 part["annotations"] = []
             item["content"] = [part]

@@ -2,24 +2,31 @@
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from once.gateway.detok import contiguous_vocab_bound
 from once.gateway.render import PromptRenderer
+from once.gateway.safety import SafetyChecker
 from once.gateway.tokens import PromptBuilder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
 class ModelRuntime:
     name: str
-    tokenizer: object  # a transformers fast tokenizer
+    tokenizer: "PreTrainedTokenizerBase"  # a fast tokenizer: its Rust `backend_tokenizer`
     renderer: PromptRenderer
     builder: PromptBuilder
     max_model_len: int
     accepts_images: bool = False
-    safety: object | None = None  # a safety.SafetyChecker, or None for no input check
+    safety: SafetyChecker | None = None  # None: no input check
 
     @classmethod
-    def load(cls, name: str, folder: Path, max_model_len: int, safety=None) -> "ModelRuntime":
+    def load(
+        cls, name: str, folder: Path, max_model_len: int, safety: SafetyChecker | None = None
+    ) -> "ModelRuntime":
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -22,9 +22,9 @@ durations, so it cannot go below zero.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from once.gateway.auth import KeyRing, Tenant
 from once.gateway.capacity import CpuCostMeter
@@ -158,7 +158,7 @@ class ResponsePipeline:
 
     async def stream(
         self, prepared: Prepared, encoder: EventEncoder, transport: str, frame: Frame
-    ) -> AsyncIterator:
+    ) -> AsyncGenerator[Any, None]:
         """The response's framed batches; its accounting, whatever way it ends."""
         added = prepared.added
         outcome = last_type = "disconnected"  # a stream closed early: the client left

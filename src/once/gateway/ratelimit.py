@@ -14,7 +14,11 @@ import logging
 import time
 
 from limits import RateLimitItem, RateLimitItemPerMinute
-from limits.aio.strategies import STRATEGIES, SlidingWindowCounterRateLimiter
+from limits.aio.strategies import (
+    FixedWindowRateLimiter,
+    MovingWindowRateLimiter,
+    SlidingWindowCounterRateLimiter,
+)
 from limits.errors import ConfigurationError, StorageError
 from limits.storage import storage_from_string
 
@@ -30,6 +34,19 @@ _REDIS_SCHEMES = ("redis://", "rediss://", "redis+unix://")
 def _async_storage_uri(storage_uri: str) -> str:
     # `limits` names its asyncio storages "async+<scheme>"; accept the plain form too.
     return storage_uri if storage_uri.startswith("async+") else f"async+{storage_uri}"
+
+
+# limits' own STRATEGIES table, with the concrete classes' types.
+STRATEGIES: dict[
+    str,
+    type[MovingWindowRateLimiter]
+    | type[FixedWindowRateLimiter]
+    | type[SlidingWindowCounterRateLimiter],
+] = {
+    "moving-window": MovingWindowRateLimiter,
+    "fixed-window": FixedWindowRateLimiter,
+    "sliding-window-counter": SlidingWindowCounterRateLimiter,
+}
 
 
 class RateLimiter:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 from once.gateway.safety_exemplars import BENIGN, DEFAULT_THRESHOLD, EXEMPLARS
 
@@ -56,7 +56,10 @@ class InputClassifier(Protocol):
     async def classify(self, texts: Sequence[str]) -> SafetyVerdict: ...
 
 
-def keep_ends(items: Sequence, limit: int) -> Sequence:
+Bounded = TypeVar("Bounded", str, list)
+
+
+def keep_ends(items: Bounded, limit: int) -> Bounded:
     # A harmful instruction sits at either end of a pasted blob ("do X with this: <blob>",
     # "<blob> now do X"), so bounding keeps the first quarter and the last three quarters.
     if len(items) <= limit:
@@ -193,8 +196,8 @@ class EmbeddingClassifier:
         )
         self._loaded = False
         self._exemplar_labels: list[str] = []
-        self._exemplar_embeddings = None  # (num_exemplars, 384), unit rows
-        self._exemplar_is_unsafe = None  # (num_exemplars,) bool
+        self._exemplar_embeddings: Any = None  # (num_exemplars, 384), unit rows
+        self._exemplar_is_unsafe: Any = None  # (num_exemplars,) bool
         self.load_time_s: float | None = None
 
     def warm_up(self) -> None:

@@ -262,7 +262,8 @@ class RedisResponseStore:
             blob = await self._client.get(self._key(tenant, response_id))
         if blob is None:
             return None
-        record = _decode_or_none(lambda: _unpack(blob), f"{tenant}/{response_id} in redis")
+        data = blob.encode() if isinstance(blob, str) else blob
+        record = _decode_or_none(lambda: _unpack(data), f"{tenant}/{response_id} in redis")
         if record is not None and (record.tenant, record.id) != (tenant, response_id):
             logger.warning("redis key for %s/%s holds another record", tenant, response_id)
             return None

@@ -158,7 +158,19 @@ def _unpack(blob: bytes) -> _Row:
     scalars = json.loads(parts[0])
     if not isinstance(scalars, list) or len(scalars) != 6:
         raise ValueError("bad scalar header")
-    return _Row(*scalars, parts[1].decode(), parts[2].decode(), parts[3], blob[offset:])
+    tenant, response_id, created_at, expires_at, previous_response_id, render_key = scalars
+    return _Row(
+        tenant,
+        response_id,
+        created_at,
+        expires_at,
+        previous_response_id,
+        render_key,
+        parts[1].decode(),
+        parts[2].decode(),
+        parts[3],
+        blob[offset:],
+    )
 
 
 def _decode_or_none(load: Callable[[], _Row], where: str) -> StoredResponse | None:

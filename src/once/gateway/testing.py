@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 import uvicorn
@@ -110,7 +110,9 @@ async def prepare_request(
     return await pipeline.prepare(admission, connection)
 
 
-async def response_events(pipeline: ResponsePipeline, prepared: Prepared) -> AsyncIterator[dict]:
+async def response_events(
+    pipeline: ResponsePipeline, prepared: Prepared
+) -> AsyncGenerator[dict, None]:
     """The Responses events of a prepared response, one by one."""
     encoder = responses_encoder(prepared)
     stream = pipeline.stream(prepared, encoder, _transport(prepared.connection), list)

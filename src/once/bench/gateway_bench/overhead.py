@@ -40,7 +40,8 @@ def wait_until_healthy(server: subprocess.Popen, url: str, what: str, verify=Tru
         except httpx.HTTPError:
             pass
         if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not start: {server.stderr.read()!r}")
+            stderr = server.stderr.read() if server.stderr is not None else b""
+            raise RuntimeError(f"{what} did not start: {stderr!r}")
         time.sleep(0.2)
 
 

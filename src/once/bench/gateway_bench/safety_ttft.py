@@ -60,6 +60,8 @@ async def measure(runtime, num_requests: int = 12) -> dict:
         embedder_factory=SentenceEmbedder,
         worker_initializer=limit_this_thread_to_one_core,
     )
+    if checker is None:
+        raise RuntimeError("the safety config above names a classifier: a checker is built")
     texts = [[b["input"]] for b in bodies]
     standalone = statistics.median([await time_standalone(checker, t, repeats=3) for t in texts])
     prefill_s = max(0.2, 3 * standalone)  # every prefill outlasts the check
