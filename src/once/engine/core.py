@@ -18,9 +18,9 @@ from once.engine.request import Request, RequestStatus
 from once.engine.runner import ModelRunner
 from once.engine.sampler import sample
 from once.engine.scheduler import Scheduler
-from once.engine.spec import SpecDecodeStats, make_drafter
-from once.engine.spec.governor import DraftLengthGovernor
-from once.engine.spec.verify import accept_matching, rejection_sample, sampling_probs
+from once.engine.speculative import SpecDecodeStats, make_drafter
+from once.engine.speculative.governor import DraftLengthGovernor
+from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
 from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
 from once.protocol.errors import (
     ContextLengthExceededError,
