@@ -71,7 +71,7 @@ def _add_engine_flags(parser):
     parser.add_argument(
         "--speculative-adaptive",
         action="store_true",
-        help="draft only as many ids per step as pay for their rows (spec/governor.py)",
+        help="draft only as many ids per step as pay for their rows (speculative/governor.py)",
     )
     parser.add_argument(
         "--cpu-gemm",

@@ -26,7 +26,7 @@ class EngineConfig:
     speculative_method: str = ""
     num_speculative_tokens: int = 8  # most draft tokens verified per request per step
     draft_model: str = ""  # the draft model of method "draft" (same tokenizer as model)
-    # Draft only as many ids per step as pay for their rows (spec/governor.py), up to
+    # Draft only as many ids per step as pay for their rows (speculative/governor.py), up to
     # num_speculative_tokens; off: always up to num_speculative_tokens.
     speculative_adaptive: bool = False
     # Publish KV events over ZMQ as vLLM does (e.g. "tcp://127.0.0.1:5557"); "" is off.

@@ -1,6 +1,10 @@
-"""LLMEngine: the synchronous step loop (schedule -> run -> postprocess).
+"""LLMEngine: the synchronous step loop (schedule -> execute -> sample -> update -> deltas).
 
-Everything above it is asyncio; `AsyncEngine` (async_engine.py) runs this loop on a thread.
+The scheduler owns request state: it picks the step's work and, after the forward, moves
+the requests on (`Scheduler.update_from_output`). The engine owns what is counted across
+requests (its `counters`, `SpecDecodeStats`, the draft-length governor), the drafter, and
+the deltas it returns. Everything above it is asyncio; `AsyncEngine` (async_engine.py)
+runs this loop on a thread.
 """
 
 import time
@@ -14,13 +18,13 @@ from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
 from once.engine.memory import keep_freed_memory
 from once.engine.models.llama import LlamaModel
-from once.engine.request import Request, RequestStatus
+from once.engine.request import Request
 from once.engine.runner import ModelRunner
 from once.engine.sampler import sample
-from once.engine.scheduler import Scheduler
-from once.engine.spec import SpecDecodeStats, make_drafter
-from once.engine.spec.governor import DraftLengthGovernor
-from once.engine.spec.verify import accept_matching, rejection_sample, sampling_probs
+from once.engine.scheduler import Scheduler, StepUpdate
+from once.engine.speculative import SpecDecodeStats, make_drafter
+from once.engine.speculative.governor import DraftLengthGovernor
+from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
 from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
 from once.protocol.errors import (
     ContextLengthExceededError,
@@ -162,7 +166,7 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[TokenDelta]:
-        deltas, self._pending = self._pending, []
+        deltas = self._take_pending()  # of requests aborted since the last step
         if self.drafter is not None:
             self._propose_drafts()
         out = self.scheduler.schedule()
@@ -180,54 +184,46 @@ class LLMEngine:
             for item in out.scheduled:
                 self._finish(item.request, FINISH_ERROR, error=error.to_dict())
             return deltas + self._take_pending()
-        committed = self._select_tokens(logits, [s.request for s in sampled])
+        requests = [s.request for s in sampled]
+        committed = self._select_tokens(logits, requests)
         if self.kv.has_connector:
             self._save_new_blocks()
+        update = self.scheduler.update_from_output(out, requests, committed)
+        self._record(update)
+        deltas += self._deltas(update)
 
-        for item in out.scheduled:
-            request = item.request
-            start = request.num_computed_tokens
-            end = start + item.num_new_tokens
-            num_prompt_part = max(0, min(end, request.num_prompt_tokens) - start)
-            request.metrics.num_computed_tokens += num_prompt_part
-            self.counters["num_computed_prompt_tokens"] += num_prompt_part
-            if start < request.num_tokens - 1 and end > request.num_prompt_tokens:
-                # Output positions run again after a preemption.
-                self.counters["num_recomputed_tokens"] += end - max(
-                    start, request.num_prompt_tokens
-                )
-            request.num_computed_tokens = end
-
-        for item, token_ids in zip(sampled, committed, strict=True):
-            request = item.request
-            was_decoding = bool(request.output_token_ids)
-            emitted, reason = [], None
-            for token in token_ids:
-                request.append_output(token)
-                emitted.append(token)
-                reason = request.check_stop()
-                if reason is not None:
-                    break
-            self.counters["num_generated_tokens"] += len(emitted)
-            if was_decoding:
-                self.spec.record_decode(len(emitted))
-            if request.draft_token_ids:
-                self._settle_verification(request, len(token_ids) - 1)
-            delta = TokenDelta(request.request_id, emitted)
-            if request.num_emitted_tokens == 0:
-                delta.num_cached_tokens = request.metrics.num_cached_tokens
-            request.num_emitted_tokens += len(emitted)
-            if reason is not None:
-                self._finish(request, reason, delta=delta)
-            else:
-                deltas.append(delta)
-
-        self.counters["num_steps"] += 1
         elapsed = time.perf_counter() - started
         self.step_time_s += elapsed
         if decode_only:
-            self.governor.observe_step(sum(s.num_new_tokens for s in out.scheduled), elapsed)
-        return deltas + self._take_pending()
+            self.governor.observe_step(out.num_batched_tokens, elapsed)
+        return deltas
+
+    def _record(self, update: StepUpdate) -> None:
+        self.counters["num_computed_prompt_tokens"] += update.num_computed_prompt_tokens
+        self.counters["num_recomputed_tokens"] += update.num_recomputed_tokens
+        self.counters["num_generated_tokens"] += update.num_generated_tokens
+        self.counters["num_steps"] += 1
+        for num_tokens in update.num_tokens_per_decode:
+            self.spec.record_decode(num_tokens)
+        for num_drafts, num_accepted in update.verifications:
+            self.spec.record_verification(num_drafts, num_accepted)
+            if self.governor is not None:
+                self.governor.observe_verification(num_drafts, num_accepted)
+
+    def _deltas(self, update: StepUpdate) -> list[TokenDelta]:
+        # Requests still running first, then the finished ones, each in the order they ran.
+        running, finished = [], []
+        for output in update.outputs:
+            request = output.request
+            delta = TokenDelta(request.request_id, output.new_token_ids)
+            if request.num_emitted_tokens == 0:
+                delta.num_cached_tokens = request.metrics.num_cached_tokens
+            request.num_emitted_tokens += len(output.new_token_ids)
+            if output.finish_reason is None:
+                running.append(delta)
+            else:
+                finished.append(self._release(request, delta))
+        return running + finished
 
     # -- speculative decoding ------------------------------------------------------------
 
@@ -283,42 +279,28 @@ class LLMEngine:
         gen = request.generator or self.generator
         return rejection_sample(probs, drafts, request.draft_probs, gen)
 
-    def _settle_verification(self, request: Request, num_accepted: int) -> None:
-        # K/V is valid up to the last accepted draft; the newest committed id (the
-        # bonus or corrected token) is computed next step. Blocks past that roll back.
-        num_drafts = len(request.draft_token_ids)
-        request.num_computed_tokens = request.num_tokens - 1
-        request.metrics.num_drafts += 1
-        request.metrics.num_draft_tokens += num_drafts
-        request.metrics.num_accepted_tokens += num_accepted
-        self.spec.record_verification(num_drafts, num_accepted)
-        if self.governor is not None:
-            self.governor.observe_verification(num_drafts, num_accepted)
-        request.clear_draft()
-        if not request.is_finished:
-            self.kv.trim(request)
-
-    def _finish(self, request: Request, reason: str, delta=None, error=None) -> None:
+    def _finish(self, request: Request, reason: str, error=None) -> None:
+        """Abort or fail a request between or during steps; its delta goes out next."""
         if request.is_finished:
             return
-        self.scheduler.finish(request)
-        request.clear_draft()
+        self.scheduler.finish(request, reason)
+        self._pending.append(self._release(request, TokenDelta(request.request_id, []), error))
+
+    def _release(self, request: Request, delta: TokenDelta, error=None) -> TokenDelta:
+        """Forget a request the scheduler has finished; `delta` becomes its last."""
         if self.drafter is not None:
             self.drafter.on_finished(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
         self.requests.pop(request.request_id, None)
-        delta = delta or TokenDelta(request.request_id, [])
         if request.num_emitted_tokens == 0 and delta.num_cached_tokens is None:
             delta.num_cached_tokens = request.metrics.num_cached_tokens
-        delta.finish_reason = reason
+        delta.finish_reason = request.finish_reason
         delta.error = error
         delta.metrics = request.finalize_metrics()
-        if reason != FINISH_ABORT:
+        if request.finish_reason != FINISH_ABORT:
             self.counters["num_requests_finished"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens
         self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
-        self._pending.append(delta)
+        return delta
 
     def _save_new_blocks(self) -> None:
         # Blocks registered while scheduling this step now hold their computed K/V.

@@ -1,14 +1,13 @@
 """The engine's per-layer ops: C kernels at decode batch sizes, oneDNN or torch otherwise.
 
 Matmuls, by rows in the step's flat batch (CPU, fp32):
-- 1-2 rows: a pass over the weights, bound by memory bandwidth; the C matmul streams them
-  about 3x faster than MKL's sgemv here.
+- 1-2 rows: a pass over the weights, bound by memory bandwidth; the C matmul streams each
+  weight row once, dotting it with every input row (kept in L1), and comes closer to
+  that bandwidth than MKL's sgemv.
 - more rows: oneDNN's GEMM over a copy of the weight packed once, at load, into its
   blocked layout. torch's own fp32 matmul is MKL's, which takes its AVX2 path on AMD CPUs
-  (this machine is an AVX-512 EPYC); oneDNN picks its kernels from the CPU's features.
-  Measured here over all of SmolLM2's matmuls (2 threads): 18 ms at 8 rows (C: 35, MKL:
-  64), 33 ms at 32 (MKL: 110), and 2.3-2.5x MKL's GEMM rate from 16 rows up to prefill
-  chunks.
+  even where they have AVX-512; oneDNN picks its kernels from the CPU's features.
+  (DESIGN.md, "CPU kernels", has the rates measured for each.)
 Where torch has no oneDNN, or on CUDA, every matmul is torch's. The residual add + RMSNorm,
 the rotary embedding and the SwiGLU gate run as single C calls at every batch size: at
 decode sizes each torch op costs more in dispatch than in arithmetic, and at prefill sizes

@@ -12,11 +12,16 @@ Each step:
      each looks up its prefix in the cache and is scheduled for the uncached rest (up to
      the budget). A request that does not fit waits its turn; nothing behind it jumps the
      queue, so a big request is never starved.
+
+After the forward, `update_from_output` moves every scheduled request on by what ran and
+commits each sampled request's ids (see there). It changes request state only; what
+happened comes back as a `StepUpdate`, from which the engine keeps its counters and
+builds its deltas.
 """
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from once.engine.kv.manager import KVCacheManager
 from once.engine.request import Request, RequestStatus
@@ -33,6 +38,31 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted: list[Request]
+
+
+@dataclass
+class RequestUpdate:
+    """The ids one sampled request committed in a step."""
+
+    request: Request
+    new_token_ids: list[int]
+    finish_reason: str | None  # set when one of them stopped it (the request is finished)
+
+
+@dataclass
+class StepUpdate:
+    """What a step did to its requests, for the engine's deltas and counters."""
+
+    outputs: list[RequestUpdate] = field(default_factory=list)  # in the order they ran
+    num_computed_prompt_tokens: int = 0
+    num_recomputed_tokens: int = 0  # output positions run again after a preemption
+    # Ids committed by each sampled request that was decoding (drafted or not).
+    num_tokens_per_decode: list[int] = field(default_factory=list)
+    verifications: list[tuple[int, int]] = field(default_factory=list)  # (drafts, accepted)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(output.new_token_ids) for output in self.outputs)
 
 
 class Scheduler:
@@ -125,10 +155,68 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request) -> None:
-        """Drop a finished or aborted request from the queues and free its blocks."""
+    # -- after the forward ----------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: list[Request], committed: list[list[int]]
+    ) -> StepUpdate:
+        """Apply a forward's results: `sampled` are the requests that got logits, in the
+        runner's order, and `committed[i]` the ids sampled[i] commits (one sampled id, or a
+        verification's accepted drafts plus one)."""
+        # 1. Every scheduled request has the K/V of its new tokens now; the prompt tokens
+        #    among them count as computed, output positions among them as recomputed.
+        # 2. Each sampled request appends its ids up to the first that stops it. A
+        #    verification's K/V is valid up to its last accepted draft: the newest id (the
+        #    bonus or corrected token) is computed next step, and blocks past it go back.
+        # 3. A stopped request is finished here, in turn, so blocks return to the pool in
+        #    the same order whatever the engine does with the update.
+        update = StepUpdate()
+        for item in out.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_new_tokens
+            num_prompt_part = max(0, min(end, request.num_prompt_tokens) - start)
+            request.metrics.num_computed_tokens += num_prompt_part
+            update.num_computed_prompt_tokens += num_prompt_part
+            if start < request.num_tokens - 1 and end > request.num_prompt_tokens:
+                update.num_recomputed_tokens += end - max(start, request.num_prompt_tokens)
+            request.num_computed_tokens = end
+
+        for request, token_ids in zip(sampled, committed, strict=True):
+            was_decoding = bool(request.output_token_ids)
+            new_token_ids, reason = [], None
+            for token in token_ids:
+                request.append_output(token)
+                new_token_ids.append(token)
+                reason = request.check_stop()
+                if reason is not None:
+                    break
+            if was_decoding:
+                update.num_tokens_per_decode.append(len(new_token_ids))
+            if request.draft_token_ids:
+                num_accepted = len(token_ids) - 1
+                update.verifications.append((len(request.draft_token_ids), num_accepted))
+                self._settle_verification(request, num_accepted)
+            if reason is not None:
+                self.finish(request, reason)
+            update.outputs.append(RequestUpdate(request, new_token_ids, reason))
+        return update
+
+    def _settle_verification(self, request: Request, num_accepted: int) -> None:
+        request.num_computed_tokens = request.num_tokens - 1
+        request.metrics.num_drafts += 1
+        request.metrics.num_draft_tokens += len(request.draft_token_ids)
+        request.metrics.num_accepted_tokens += num_accepted
+        request.clear_draft()
+        self.kv.trim(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Finish a stopped, aborted or failed request: out of the queues, its blocks freed."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)
+        request.clear_draft()
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason

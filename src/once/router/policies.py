@@ -311,38 +311,31 @@ class PredictedTTFT:
 
     The uncached part comes from the replica's prefix index, so cache affinity and load are
     weighed in one unit (seconds) at each replica's own measured speed; a slow replica
-    looks as far away as it is. Session affinity: a session's later requests stay on its
-    home replica (the one that served it last) unless another replica's predicted prefill
-    time (the first term alone) is shorter by more than `affinity_margin` (a fraction of
-    the home's) - so an approximate index or a noisy speed estimate does not bounce a
-    conversation between replicas, yet a home that became much slower is left. The values
-    are once's own (there is no published default). decode_weight is 0: pending decodes do
-    not queue ahead of a prefill in a chunked-prefill engine (they share its steps, which
-    the measured prefill speed already includes), and the per-stream decode speed the
-    router measures is a poor proxy for the delay they add (a throttled replica's streams
-    measured 4-7x slower at a 2x throttle, mixed with the prefill chunks they shared steps
-    with). At 0.5 the default simulator run gave p90 TTFT 0.572 of the best other policy's
-    and hit ratio 0.686 of the bound; at 0 0.548 and 0.698. Live, all 76 dev sessions on
-    two replicas, one at half speed, p90 TTFT vs session affinity's: 0.81 at 0.5, 0.73 and
-    0.83 at 0 (the spread of that ratio between runs is about 0.1).
+    looks as far away as it is. decode_weight is 0 by default: in a chunked-prefill engine
+    pending decodes do not queue ahead of a prefill but share its steps (which the
+    measured prefill speed already includes), and the per-stream decode speed the router
+    measures is a poor proxy for the delay they add (it mixes in the prefill chunks those
+    streams shared steps with).
 
-    Why the affinity check leaves the decode term out (whatever decode_weight is): it
-    stands for the load a request adds to a busy batch, not worth throwing its session's
-    cache away for. With the term in the check, live replays (2 replicas, one at half
-    speed) predicted TTFT 2.7x too high on average and moved sessions off their cache
-    7-11 times per run; without it, once per run (cached prompt tokens 0.99 of a single
-    replica's instead of 0.93-0.95, p50 TTFT 0.13 s instead of 0.15-0.25 s).
+    Session affinity: a session's later requests stay on its home replica (the one that
+    served it last) unless another replica's predicted prefill time (the first term alone)
+    is shorter by more than `affinity_margin` (a fraction of the home's), so an
+    approximate index or a noisy speed estimate does not bounce a conversation between
+    replicas, yet a home that became much slower is left. The check leaves the decode term
+    out whatever decode_weight is: it stands for the load a request adds to a busy batch,
+    not worth throwing its session's cache away for (with it in, the check overrates a busy
+    home's TTFT and moves sessions off their cache).
 
     Prefix affinity, for requests without a session key (the Mooncake trace has none):
     the replica holding the longest cached prefix, when it is longer than the chosen
     replica's, is the request's home, left only if another replica's predicted prefill is
-    shorter by more than `prefix_affinity_margin`. A conversation's turns then keep
-    landing where its history is, instead of wherever a momentary queue is shortest,
-    which copies the history onto several replicas and halves the cache's reach. 0.9
-    (leave only for a replica predicted 10x faster) is the knee of a sweep on the
-    simulator's default Mooncake run (hit ratio / bound 0.549 at no prefix affinity,
-    0.633 at 0.5, 0.670 at 0.75, 0.698 at 0.9, 0.694 at 1.0; p90 TTFT / the best other
-    policy's 0.49 -> 0.53): once's choice, tuned on that one trace.
+    shorter by more than `prefix_affinity_margin` (0.9: only for a replica predicted 10x
+    faster). A conversation's turns then keep landing where its history is, instead of
+    wherever a momentary queue is shortest, which copies the history onto several
+    replicas and divides the cache's reach.
+
+    The margins and the decode weight are once's own (there is no published default);
+    DESIGN.md ("Tuning record") has the runs they were chosen on.
     """
 
     name = "once"

@@ -5,11 +5,11 @@ request): it counts what it sent. Per request in flight it keeps the prompt toke
 to prefill, the output tokens still expected, and the KV blocks held; `view()` sums them
 into the `ReplicaView` the policies read. The tokens still to prefill are an estimate:
 the replica is taken to work through the prefills in flight first come, first served (as
-the engine's chunked prefill does) at its measured speed, so a request sent 0.3 s ago to a
-replica doing 10k tokens/s counts 3k tokens fewer. Counting every request whole until its
-first token (as before) called a busy replica's queue up to twice as long as it was, sent
-work to the slow replica of a live replay that the fast one would have finished first,
-and fed the speed fit queues that were partly done (so it overrated both replicas).
+the engine's chunked prefill does) at its estimated speed, so a request sent 0.3 s ago to
+a replica doing 10k tokens/s counts 3k tokens fewer. Counting each request whole until
+its first token instead would overstate a busy replica's queue by the work it has done
+already, steer work to a slower replica that the busy one would have finished sooner, and feed
+the speed fit queues that were partly done (so it would overrate every replica).
 
 Speed is measured from the requests themselves, in the unit the once policy predicts in:
 - prefill: the TTFT the router observed against the work it predicted (prompt tokens
@@ -19,13 +19,13 @@ Speed is measured from the requests themselves, in the unit the once policy pred
   mostly cache hits slow, since its short prefills are all overhead. It folds in
   queueing, network and the decode steps sharing the engine, so the prediction is
   calibrated to itself. The overhead is held within [0, the smallest TTFT of the window]
-  (no request is faster than the overhead): a free intercept took up the TTFT that an
-  underrated queue left unexplained, which raised the speed, which underrated the queue
-  further (in a live replay the router rated a replica 4x slower than its peer at 0.8x).
+  (no request is faster than the overhead): a free intercept takes up the TTFT that an
+  underrated queue leaves unexplained, which raises the speed, which underrates the queue
+  further.
 - decode: output tokens / time after the first token, per stream, times the streams in
   flight (aggregate throughput of the batch).
 Both start from the same prior on every replica, so an unmeasured replica is neither
-favoured nor shunned.
+favoured nor shunned. DESIGN.md ("Tuning record") has the live runs behind these choices.
 
 Health: `mark_down` after a failure (death, timeout); the router's health loop calls
 `probe()` (the client's `check_health()` when it has one, else `stats()`) and a success

@@ -24,8 +24,8 @@ from pathlib import Path
 from once.bench.spec_bench.ceiling import copy_ceiling
 from once.bench.spec_bench.workload import SpecCall, sample_calls
 from once.engine.config import DEFAULT_MODEL, EngineConfig
-from once.engine.spec import make_drafter
-from once.engine.spec.governor import DraftLengthGovernor
+from once.engine.speculative import make_drafter
+from once.engine.speculative.governor import DraftLengthGovernor
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 _REPO_ROOT = Path(__file__).resolve().parents[4]

@@ -21,8 +21,8 @@ import math
 from collections import Counter, OrderedDict
 
 from once.engine.request import Request
-from once.engine.spec.drafter import ContextIndexes, Draft
-from once.engine.spec.index import DEFAULT_LENGTHS, NgramIndex, longest_match
+from once.engine.speculative.drafter import ContextIndexes, Draft
+from once.engine.speculative.index import DEFAULT_LENGTHS, NgramIndex, longest_match
 
 # Occurrences followed during the walk: the most recent, which best predict a copy.
 MAX_WALK_OCCURRENCES = 32

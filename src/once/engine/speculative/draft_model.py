@@ -43,8 +43,8 @@ from once.engine.attention import AttentionMetadata, DecodeGroup, PagedKVCache, 
 from once.engine.models.config import ModelConfig
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
-from once.engine.spec.drafter import Draft
-from once.engine.spec.verify import sampling_probs
+from once.engine.speculative.drafter import Draft
+from once.engine.speculative.verify import sampling_probs
 
 # Most new ids of one request run as decode rows rather than as a prefill chunk.
 MAX_DECODE_ROWS = 16

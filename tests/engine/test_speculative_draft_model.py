@@ -13,12 +13,14 @@ from once.engine.core import LLMEngine
 from once.engine.loader import load_model_weights
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
-from once.engine.spec.draft_model import DraftModelDrafter
-from once.engine.spec.verify import sampling_probs
+from once.engine.speculative.draft_model import DraftModelDrafter
+from once.engine.speculative.verify import sampling_probs
 from once.engine.testing import make_tiny_model, reference_model
 from once.protocol.engine import GenerateRequest, SamplingParams
-from tests.engine.test_spec_engine import check_block_accounting as check_target_block_accounting
-from tests.engine.test_spec_engine import check_drafts_ignore_the_forced_suffix
+from tests.engine.test_speculative_engine import (
+    check_block_accounting as check_target_block_accounting,
+)
+from tests.engine.test_speculative_engine import check_drafts_ignore_the_forced_suffix
 
 K = 4
 MAX_TOKENS = 1 + 5 * (K + 1)  # the first token, then 5 verifications of K full drafts

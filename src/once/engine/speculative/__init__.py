@@ -10,8 +10,8 @@ all 1 + k rows of logits in the same flat batch as everything else, and the engi
 the accepted ids (`verify.py`) and rolls back the K/V blocks of the rejected ones.
 """
 
-from once.engine.spec.drafter import Draft, Drafter
-from once.engine.spec.stats import SpecDecodeStats
+from once.engine.speculative.drafter import Draft, Drafter
+from once.engine.speculative.stats import SpecDecodeStats
 
 METHODS = ("ngram", "suffix", "draft")  # "draft" needs EngineConfig.draft_model
 
@@ -26,17 +26,17 @@ def make_drafter(config, model_config) -> Drafter | None:
     if config.num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be >= 1 when speculation is on")
     if method == "ngram":
-        from once.engine.spec.ngram import NgramDrafter
+        from once.engine.speculative.ngram import NgramDrafter
 
         return NgramDrafter()
     if method == "suffix":
-        from once.engine.spec.suffix import SuffixDrafter
+        from once.engine.speculative.suffix import SuffixDrafter
 
         return SuffixDrafter()
     if method == "draft":
         if not config.draft_model:
             raise ValueError('speculative_method "draft" needs draft_model')
-        from once.engine.spec.draft_model import DraftModelDrafter
+        from once.engine.speculative.draft_model import DraftModelDrafter
 
         return DraftModelDrafter.from_config(config, model_config)
     raise ValueError(f"unknown speculative_method {method!r}; choose from {METHODS}")

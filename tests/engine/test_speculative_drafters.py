@@ -3,9 +3,9 @@
 import pytest
 
 from once.engine.request import Request
-from once.engine.spec.index import NgramIndex, longest_match
-from once.engine.spec.ngram import NgramDrafter
-from once.engine.spec.suffix import SuffixDrafter
+from once.engine.speculative.index import NgramIndex, longest_match
+from once.engine.speculative.ngram import NgramDrafter
+from once.engine.speculative.suffix import SuffixDrafter
 from once.protocol.engine import GenerateRequest
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from once.engine.spec.verify import accept_matching, rejection_sample, sampling_probs
+from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
 from once.protocol.engine import SamplingParams
 
 NUM_SAMPLES = 6000

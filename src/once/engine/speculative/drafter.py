@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 
 from once.engine.request import Request
-from once.engine.spec.index import DEFAULT_LENGTHS, NgramIndex
+from once.engine.speculative.index import DEFAULT_LENGTHS, NgramIndex
 
 
 @dataclass

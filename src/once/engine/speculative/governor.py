@@ -1,11 +1,11 @@
 """Cost-aware draft length: each step drafts only as many ids as pay for their rows.
 
 A verification adds rows to the step. On a GPU at small batch an extra row is nearly free
-(the step is bound by reading the weights); on a CPU each row is compute (here about an
-eighth of a batch-1 decode step at 1k context, more at 4k), and at batch 8, where the
-step is compute-bound already, rows cost their full share. A fixed draft length then
-wins at batch 1 and loses at batch 8. The governor picks, before each step, the length
-k <= K that maximizes committed tokens per second of step time:
+(the step is bound by reading the weights); on a CPU each row is compute, more of it the
+longer the context, and at batch 8, where the step is compute-bound already, rows cost
+their full share. A fixed draft length then wins at batch 1 and loses at batch 8. The
+governor picks, before each step, the length k <= K that maximizes committed tokens per
+second of step time:
 
     tokens(k) = B + B * sum_{j=1..k} p_j       B decoding requests, each drafting k ids
     time(k)   = a + b * B * (1 + k)            a step is linear in the rows it runs

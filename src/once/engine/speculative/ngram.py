@@ -2,7 +2,7 @@
 (longest n first, from max_n down to min_n) and propose the tokens that followed it."""
 
 from once.engine.request import Request
-from once.engine.spec.drafter import ContextIndexes, Draft
+from once.engine.speculative.drafter import ContextIndexes, Draft
 
 
 class NgramDrafter:

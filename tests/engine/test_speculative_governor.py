@@ -4,7 +4,7 @@ import pytest
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.spec.governor import DraftLengthGovernor
+from once.engine.speculative.governor import DraftLengthGovernor
 from once.protocol.engine import GenerateRequest
 
 
