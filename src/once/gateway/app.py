@@ -9,15 +9,17 @@ Every failure is an OpenAI-style error body with a code; nothing reaches a 500.
 
 import logging
 
-from fastapi import FastAPI, WebSocket
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
 from once.gateway.auth import KeyRing
 from once.gateway.capacity import CpuCostMeter
+from once.gateway.chat_http import chat_routes
 from once.gateway.config import GatewayConfig
 from once.gateway.http_io import error_response
+from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
@@ -45,22 +47,30 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     app = FastAPI(title="once gateway", docs_url=None, redoc_url=None)
     app.state.gateway = pipeline
 
+    def error_for(request: Request, error: OnceError, headers=None) -> Response:
+        # Each API's own error shape: Anthropic's under /v1/messages, OpenAI's elsewhere.
+        if request.url.path.startswith("/v1/messages"):
+            return anthropic_error_response(error)
+        return error_response(error, headers)
+
     @app.exception_handler(OnceError)
-    async def once_error(_, error: OnceError):
-        return error_response(error)
+    async def once_error(request: Request, error: OnceError):
+        return error_for(request, error)
 
     @app.exception_handler(HTTPException)
-    async def routing_error(_, error: HTTPException):
+    async def routing_error(request: Request, error: HTTPException):
         # Unknown paths and methods get the same error body as every other failure.
         failure = ROUTING_ERRORS.get(error.status_code, InvalidRequestError)(str(error.detail))
-        return error_response(failure, getattr(error, "headers", None))
+        return error_for(request, failure, getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
-    async def unexpected(_, error: Exception):
+    async def unexpected(request: Request, error: Exception):
         logger.exception("unexpected error in the gateway")
-        return error_response(OnceError(f"internal error: {type(error).__name__}"))
+        return error_for(request, OnceError(f"internal error: {type(error).__name__}"))
 
     app.include_router(responses_routes(pipeline))
+    app.include_router(chat_routes(pipeline))
+    app.include_router(messages_routes(pipeline))
 
     @app.get("/v1/models")
     async def list_models():

@@ -18,12 +18,14 @@ from once.gateway.metrics import GatewayMetrics
 from once.gateway.output import COMPLETED, FAILED, INCOMPLETE, OutputBuilder, OutputEvent, Usage
 from once.gateway.prepare import Prepared
 from once.gateway.safety import SafetyVerdict
+from once.gateway.stops import StopMatcher
 from once.gateway.toolcalls import TextDelta, ToolCallParsed, ToolCallStreamParser
 from once.gateway.validation import safety_texts
 from once.protocol.engine import (
     FINISH_ABORT,
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_STOP,
     EngineClient,
     GenerateRequest,
     SamplingParams,
@@ -65,6 +67,7 @@ class Generation:
         self.last_batch_at = 0.0
         self.engine_done = asyncio.Event()
         self._interval_waiter: asyncio.Future | None = None  # see _next
+        self.stops = StopMatcher(prepared.request.stop)
 
     def usage(self) -> Usage:
         num_prompt = len(self.prepared.built.prompt_ids)
@@ -232,7 +235,9 @@ class Generation:
                     error = delta.error or {}
                     raise OnceError(error.get("message", "the engine failed this request"))
                 break
-        text = detok.push(new_ids) if new_ids else ""
+        text = self.stops.push(detok.push(new_ids)) if new_ids else ""
+        if self.stops.matched is not None:
+            self.finish_reason = FINISH_STOP  # the engine request is aborted on the way out
         events = self._text_events(text, parser) if text else []
         return events, self.finish_reason is not None
 
@@ -255,7 +260,7 @@ class Generation:
 
     def _finish(self, detok, parser) -> EventBatch:
         events: EventBatch = []
-        tail = detok.flush()
+        tail = self.stops.push(detok.flush()) + self.stops.flush()
         if tail:
             events.extend(self._text_events(tail, parser))
         if parser is not None:
@@ -268,7 +273,8 @@ class Generation:
         elif self.finish_reason == FINISH_ABORT:
             events.extend(self.output.finish(INCOMPLETE, usage, reason="cancelled"))
         else:
-            events.extend(self.output.finish(COMPLETED, usage))
+            stop = self.stops.matched
+            events.extend(self.output.finish(COMPLETED, usage, stop_sequence=stop))
         return events
 
     def _filtered(self, drop_output: bool) -> EventBatch:

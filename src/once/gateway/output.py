@@ -71,6 +71,7 @@ class ResponseFinished:
     usage: Usage
     reason: str | None = None  # why INCOMPLETE
     error: dict | None = None  # what FAILED: {code, message}
+    stop_sequence: str | None = None  # the stop string that ended a COMPLETED output
 
 
 OutputEvent = (
@@ -137,10 +138,16 @@ class OutputBuilder:
         self._open_message = None
 
     def finish(
-        self, status: str, usage: Usage, *, reason: str | None = None, error: dict | None = None
+        self,
+        status: str,
+        usage: Usage,
+        *,
+        reason: str | None = None,
+        error: dict | None = None,
+        stop_sequence: str | None = None,
     ) -> list[OutputEvent]:
         events = self._close_message(COMPLETED if status == COMPLETED else INCOMPLETE)
-        self.finished = ResponseFinished(status, usage, reason, error)
+        self.finished = ResponseFinished(status, usage, reason, error, stop_sequence)
         events.append(self.finished)
         return events
 

@@ -41,13 +41,13 @@ from once.gateway.validation import check_semantics
 from once.gateway.warm_up import warm_up_events
 from once.protocol.engine import EngineClient, SamplingParams
 from once.protocol.errors import OnceError
-from once.protocol.responses import ResponsesRequest, parse_request
+from once.protocol.responses import ResponsesRequest
 
 
 class EventEncoder(Protocol):
     """An API's side of a response: neutral output events in, its wire events out."""
 
-    def encode(self, events: EventBatch) -> list[dict]: ...
+    def encode(self, events: EventBatch) -> list[Any]: ...
 
     def api_object(self) -> dict: ...  # the finished response as the API returns it
 
@@ -118,13 +118,15 @@ class ResponsePipeline:
         *,
         transport: str,
         received_at: float,
+        parse: Callable[[object], ResponsesRequest],
         inherit: Callable[[dict], Awaitable[dict]] | None = None,
     ) -> Admission:
-        """Semantic checks come before auth, as OpenAI's API orders them."""
+        """`parse` is the API's adapter (its body -> the pipeline's request). Semantic
+        checks come before auth, as OpenAI's API orders them."""
         try:
             if inherit is not None and isinstance(body, dict):
                 body = await inherit(body)
-            request = parse_request(body, websocket=transport == "websocket")
+            request = parse(body)
             model = check_semantics(request, self.models)
             tenant = self.keyring.authenticate(authorization)
             await self.limiter.hit_request(tenant)
@@ -151,6 +153,11 @@ class ResponsePipeline:
         prepared.added.prepare_s = time.perf_counter() - t0
         return prepared
 
+    async def count_prompt_tokens(self, admission: Admission) -> int:
+        return await self.preparer.count_prompt_tokens(
+            admission.request, admission.tenant, admission.model
+        )
+
     def load_report_header(self) -> str:
         return self.meter.load_report_header(self.num_inflight)
 
@@ -161,7 +168,7 @@ class ResponsePipeline:
     ) -> AsyncGenerator[Any, None]:
         """The response's framed batches; its accounting, whatever way it ends."""
         added = prepared.added
-        outcome = last_type = "disconnected"  # a stream closed early: the client left
+        outcome = "disconnected"  # a stream closed early: the client left
         self.num_inflight += 1
         self.metrics.inflight.inc()
         try:
@@ -175,11 +182,10 @@ class ResponsePipeline:
                 t1 = time.perf_counter()
                 prepared.cpu_s += t1 - t0
                 added.events_s += t1 - t0
-                if wire:
-                    last_type = wire[-1]["type"]
                 yield framed
                 added.writes_s += time.perf_counter() - t1
-            outcome = last_type
+            finished = prepared.output.finished
+            outcome = f"response.{finished.status}" if finished is not None else "disconnected"
         finally:
             self.num_inflight -= 1
             self.metrics.inflight.dec()
@@ -219,7 +225,9 @@ class ResponsePipeline:
             prepared.added.events_s += generation.detok_cpu_s
             ids = generation.output_ids
             token_ids = prepared.built.prompt_ids + ids
-            yield batch, FinalSave(token_ids, ids, generation.completed_normally, verification)
+            # Ids sampled past a stop string are not the text the client saw: not a state.
+            save = generation.completed_normally and generation.stops.matched is None
+            yield batch, FinalSave(token_ids, ids, save, verification)
 
     def sampling(self, prepared: Prepared) -> SamplingParams:
         request, model = prepared.request, prepared.model
@@ -227,8 +235,10 @@ class ResponsePipeline:
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=request.top_k or 0,
             max_tokens=min(request.max_output_tokens or room, room),
             stop_token_ids=tuple(sorted(model.builder.eos_ids)),
+            seed=request.seed,
         )
 
     async def _save(self, prepared: Prepared, final: FinalSave, encoder: EventEncoder) -> None:

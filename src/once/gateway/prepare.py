@@ -93,7 +93,7 @@ class PromptPreparer:
         connection: ConnectionCache | None,
         created_at: int,
     ) -> Prepared:
-        key = render_key(request.model, request.instructions, request.tools)
+        key = render_key(model.name, request.instructions, request.tools)
         state, items = None, None
         if request.previous_response_id:
             state = await self.conversations.previous_state(
@@ -141,6 +141,23 @@ class PromptPreparer:
             created_at=created_at,
             cpu_s=built.render_cpu_s + built.tokenize_cpu_s,
         )
+
+    async def count_prompt_tokens(
+        self, request: ResponsesRequest, tenant: Tenant, model: ModelRuntime
+    ) -> int:
+        """The prompt's length in tokens, as a full render gives it (no engine, no state
+        kept): what the APIs' token counters answer."""
+        state = None
+        if request.previous_response_id:
+            state = await self.conversations.previous_state(
+                request.previous_response_id, tenant, None
+            )
+        items = await self._all_items(state, request, tenant)
+        key = render_key(model.name, request.instructions, request.tools)
+        built = await self._run_cpu(
+            _num_chars(items), model.builder.full, key, request.instructions, request.tools, items
+        )
+        return len(built.prompt_ids)
 
     async def _all_items(
         self, state: ConversationState | None, request: ResponsesRequest, tenant: Tenant

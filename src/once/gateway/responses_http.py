@@ -18,6 +18,7 @@ from once.gateway.prepare import Prepared
 from once.gateway.responses_events import ResponsesEncoder
 from once.gateway.sse import sse_frame
 from once.protocol.errors import InvalidRequestError, ResponseNotFoundError, error_from_dict
+from once.protocol.responses import parse_request
 
 TRANSPORT = "http"
 
@@ -48,6 +49,7 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
             http.headers.get("authorization"),
             transport=TRANSPORT,
             received_at=received_at,
+            parse=parse_request,
         )
         if not admission.request.generate:
             raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
@@ -71,6 +73,19 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
             )
             return error_response(failure)
         return JSONResponse(response, headers=headers)
+
+    @router.post("/v1/responses/input_tokens")
+    async def count_input_tokens(http: Request):
+        body = await read_body(http, pipeline.max_body_bytes)
+        admission = await pipeline.admit(
+            decode_json(body),
+            http.headers.get("authorization"),
+            transport=TRANSPORT,
+            received_at=time.perf_counter(),
+            parse=parse_request,
+        )
+        tokens = await pipeline.count_prompt_tokens(admission)
+        return {"object": "response.input_tokens", "input_tokens": tokens}
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, http: Request):

@@ -8,6 +8,7 @@ protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
 
 import asyncio
 import contextlib
+import functools
 import socket
 import time
 from collections.abc import AsyncGenerator
@@ -23,6 +24,7 @@ from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.gateway.responses_http import responses_encoder
+from once.protocol.responses import parse_request
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 10
@@ -105,7 +107,11 @@ async def prepare_request(
     """Admit and prepare a Responses body as the front end would (WebSocket rules with a
     connection)."""
     admission = await pipeline.admit(
-        body, None, transport=_transport(connection), received_at=time.perf_counter()
+        body,
+        None,
+        transport=_transport(connection),
+        received_at=time.perf_counter(),
+        parse=functools.partial(parse_request, websocket=connection is not None),
     )
     return await pipeline.prepare(admission, connection)
 

@@ -18,6 +18,7 @@ param}}`; bad frames never close the connection. It closes itself, with
 """
 
 import asyncio
+import functools
 import json
 import time
 from contextlib import aclosing
@@ -35,8 +36,10 @@ from once.protocol.errors import (
     PreviousResponseNotFoundError,
     ResponseInFlightError,
 )
+from once.protocol.responses import parse_request
 
 TRANSPORT = "websocket"
+parse_websocket_request = functools.partial(parse_request, websocket=True)
 # Fields that belong to one message, never inherited by the next.
 _PER_MESSAGE = ("type", "input", "previous_response_id", "generate", "stream", "stream_id")
 # What a continuation of a *stored* response (another connection's) inherits from it.
@@ -148,6 +151,7 @@ class _Connection:
                 self.authorization,
                 transport=TRANSPORT,
                 received_at=received_at,
+                parse=parse_websocket_request,
                 inherit=self._inherit,
             )
             prepared = await pipeline.prepare(admission, self.cache)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
+from once.protocol.schema import validate
 
 # Item types the renderer understands; any other valid SDK item is rejected semantically.
 MESSAGE = "message"
@@ -25,6 +26,9 @@ SUPPORTED_ITEM_TYPES = (MESSAGE, FUNCTION_CALL, FUNCTION_CALL_OUTPUT, TOOL_SEARC
 
 @dataclass(frozen=True)
 class ResponsesRequest:
+    """A request as the gateway's pipeline takes it, whichever API it came in by: the
+    Responses API's fields, plus the sampling controls the other APIs add."""
+
     model: str
     input_items: tuple[dict, ...]
     instructions: str | None = None
@@ -44,6 +48,13 @@ class ResponsesRequest:
     # Fields the server accepts but must refuse when set (checked semantically).
     background: bool = False
     text_format: str = "text"
+    # Chat Completions and Messages: stop strings, a sampling seed, top-k.
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    top_k: int | None = None
+    # Tools the request named that this server leaves out of the prompt (hosted tools with
+    # no backend here); the front end reports them.
+    ignored_tools: tuple[str, ...] = ()
 
 
 @functools.cache
@@ -83,12 +94,7 @@ def warm_up() -> None:
 
 
 def _validate(name: str, value: Any, prefix: str) -> None:
-    from pydantic import ValidationError
-
-    try:
-        _adapter(name).validate_python(value)
-    except ValidationError as e:
-        raise _schema_error(e, prefix) from None
+    validate(_adapter(name), value, prefix)
 
 
 def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
@@ -201,37 +207,3 @@ def output_text(item: dict) -> str:
 def canonical_json(value: Any) -> str:
     """One serialization for everything that must be byte-stable (tools, fingerprints)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-# pydantic's loc holds union branch tags ("str", "list[...]", "EasyInputMessageParam")
-# between the real field names; the param an API user understands skips them.
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after"}
-
-
-def _param_from_loc(loc: tuple) -> str | None:
-    parts: list[str] = []
-    for element in loc:
-        if isinstance(element, int):
-            parts.append(f"[{element}]")
-        elif (
-            isinstance(element, str)
-            and element not in _TYPE_TAGS
-            and element.replace("_", "").isalnum()
-            and element[:1].islower()
-        ):
-            parts.append(("." if parts else "") + element)
-    return "".join(parts) or None
-
-
-def _schema_error(error, prefix: str) -> InvalidRequestError:
-    # A union reports one error per branch; the deepest one is the user's likeliest mistake.
-    details = error.errors()
-    best = max(details, key=lambda d: len(_param_from_loc(d["loc"]) or ""))
-    inner = _param_from_loc(best["loc"])
-    if inner is None:
-        param = prefix or None
-    elif inner.startswith("["):
-        param = prefix + inner
-    else:
-        param = f"{prefix}.{inner}" if prefix else inner
-    return InvalidRequestError(f"invalid value for '{param}': {best['msg']}", param=param)

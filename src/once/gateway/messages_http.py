@@ -1,0 +1,103 @@
+"""The Anthropic Messages API over HTTP: `POST /v1/messages` (JSON or SSE) and
+`POST /v1/messages/count_tokens`, on the same pipeline as the OpenAI APIs.
+
+Authentication takes `x-api-key` (Anthropic's header) or `Authorization: Bearer`. The
+`anthropic-version` and `anthropic-beta` headers are accepted and need not be sent: the
+API surface served is the one the installed `anthropic` SDK types. Errors, here and on
+every /v1/messages path, take Anthropic's shape (`anthropic_error_response`).
+"""
+
+import time
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from once.gateway.capacity import LOAD_REPORT_HEADER
+from once.gateway.http_io import decode_json, read_body
+from once.gateway.messages_events import MessagesEncoder
+from once.gateway.pipeline import ResponsePipeline
+from once.gateway.sse import sse_frame
+from once.protocol.errors import OnceError, RateLimitError, error_from_dict
+from once.protocol.messages import parse_count_tokens_request, parse_messages_request
+
+TRANSPORT = "http"
+IGNORED_TOOLS_HEADER = "once-ignored-tools"
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_response(error: OnceError) -> JSONResponse:
+    kind = ERROR_TYPES.get(error.status, "api_error")
+    body = {"type": "error", "error": {"type": kind, "message": error.message}}
+    headers = {}
+    if isinstance(error, RateLimitError):
+        headers["retry-after"] = str(max(1, round(error.retry_after_s)))
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def authorization_of(http: Request) -> str | None:
+    api_key = http.headers.get("x-api-key")
+    return f"Bearer {api_key}" if api_key else http.headers.get("authorization")
+
+
+def sse_chunk(events: list[dict]) -> bytes:
+    return b"".join(sse_frame(event) for event in events)
+
+
+def no_frames(events: list) -> None:
+    return None
+
+
+def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
+    router = APIRouter()
+
+    async def admit(http: Request, parse=parse_messages_request):
+        body = await read_body(http, pipeline.max_body_bytes)
+        received_at = time.perf_counter()
+        pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(body))
+        return await pipeline.admit(
+            decode_json(body),
+            authorization_of(http),
+            transport=TRANSPORT,
+            received_at=received_at,
+            parse=parse,
+        )
+
+    @router.post("/v1/messages")
+    async def create_message(http: Request):
+        admission = await admit(http)
+        prepared = await pipeline.prepare(admission)
+        encoder = MessagesEncoder(
+            prepared.request, prepared.response_id, len(prepared.built.prompt_ids)
+        )
+        headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
+        if admission.request.ignored_tools:
+            headers[IGNORED_TOOLS_HEADER] = ", ".join(admission.request.ignored_tools)
+        if admission.request.stream:
+            return StreamingResponse(
+                pipeline.stream(prepared, encoder, TRANSPORT, sse_chunk),
+                media_type="text/event-stream",
+                headers={**headers, "cache-control": "no-cache"},
+            )
+        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
+            async for _ in batches:
+                pass
+        finished = encoder.finished
+        if finished is not None and finished.status == "failed":
+            return anthropic_error_response(error_from_dict(finished.error or {}))
+        return JSONResponse(encoder.api_object(), headers=headers)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(http: Request):
+        admission = await admit(http, parse_count_tokens_request)
+        return {"input_tokens": await pipeline.count_prompt_tokens(admission)}
+
+    return router

@@ -1,0 +1,199 @@
+"""Anthropic Messages requests as plain data: validated with the `anthropic` SDK's types,
+then mapped onto the pipeline's request (Responses items).
+
+The body is checked strictly (no coercion) against `MessageCreateParams`, each message and
+tool against its own type, so an error names the field at fault. Then:
+
+- `system` (a string or text blocks) becomes the instructions; a later `system` message
+  stays a system message where it is;
+- a message's text blocks become its text; `image` blocks become `input_image` parts (the
+  gateway's semantic check refuses them for a text-only model); `document` blocks are
+  refused there as files;
+- an assistant `tool_use` block becomes a `function_call` (`call_id` = its id, arguments
+  its input as JSON); a user `tool_result` block becomes a `function_call_output` (its
+  text; `is_error` prefixes "Error: "), in the order the blocks come;
+- `thinking` and `redacted_thinking` blocks are dropped: the served models do not think in
+  blocks, and a request's `thinking` setting is accepted and has no effect;
+- custom tools become function tools (`input_schema` -> `parameters`); Anthropic's server
+  tools (web search, code execution, ...) are left out of the prompt and listed in
+  `ignored_tools`, which the front end reports in the `once-ignored-tools` header;
+- `cache_control` anywhere is accepted: once caches every prefix anyway, and reports the
+  engine's cache in `cache_read_input_tokens`.
+"""
+
+import functools
+import json
+from typing import Any
+
+from once.protocol.errors import InvalidRequestError
+from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, ResponsesRequest
+from once.protocol.schema import validate
+
+
+@functools.cache
+def _adapter(name: str):
+    from anthropic.types import (
+        assistant_message_param,
+        message_create_params,
+        system_message_param,
+        tool_param,
+        user_message_param,
+    )
+    from pydantic import TypeAdapter
+
+    types = {
+        "body": message_create_params.MessageCreateParamsBase,
+        "user": user_message_param.UserMessageParam,
+        "assistant": assistant_message_param.AssistantMessageParam,
+        "system": system_message_param.SystemMessageParam,
+        "custom": tool_param.ToolParam,
+    }
+    return TypeAdapter(types[name])
+
+
+def warm_up() -> None:
+    for name in ("body", "user", "assistant", "system", "custom"):
+        _adapter(name)
+
+
+def parse_count_tokens_request(body: Any) -> ResponsesRequest:
+    """`/v1/messages/count_tokens` takes a Messages body without `max_tokens`."""
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}
+    return parse_messages_request(body)
+
+
+def parse_messages_request(body: Any) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("the request body must be a JSON object", param=None)
+    for name in ("model", "messages", "max_tokens"):
+        if name not in body:
+            raise InvalidRequestError(f"missing required parameter: {name!r}", param=name)
+    messages, tools = body["messages"], body.get("tools") or []
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+    if not isinstance(tools, list):
+        raise InvalidRequestError("'tools' must be a list", param="tools")
+    top = {k: v for k, v in body.items() if k not in ("messages", "tools")}
+    validate(_adapter("body"), {**top, "messages": []}, strict=True)
+    if body["max_tokens"] < 1:
+        raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+    for i, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant", "system"):
+            raise InvalidRequestError(
+                f"unsupported message role {role!r}", param=f"messages[{i}].role"
+            )
+        validate(_adapter(role), message, f"messages[{i}]", strict=True)
+    function_tools, ignored = [], []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequestError("each tool must be an object", param=f"tools[{i}]")
+        if tool.get("type") in (None, "custom"):
+            validate(_adapter("custom"), tool, f"tools[{i}]", strict=True)
+            function_tools.append(_function_tool(tool))
+        else:
+            ignored.append(str(tool.get("name") or tool.get("type")))
+    choice = body.get("tool_choice") or {"type": "auto"}
+    stops = tuple(body.get("stop_sequences") or ())
+    if any(not stop for stop in stops):
+        raise InvalidRequestError("stop sequences must not be empty", param="stop_sequences")
+    return ResponsesRequest(
+        model=body["model"],
+        input_items=_items(messages),
+        instructions=_text(body.get("system")) or None,
+        tools=tuple(function_tools),
+        tool_choice=_tool_choice(choice),
+        parallel_tool_calls=not choice.get("disable_parallel_tool_use", False),
+        store=False,
+        stream=bool(body.get("stream")),
+        max_output_tokens=body["max_tokens"],
+        temperature=body.get("temperature"),
+        top_p=body.get("top_p"),
+        top_k=body.get("top_k"),
+        metadata={k: str(v) for k, v in (body.get("metadata") or {}).items() if v is not None},
+        stop=stops,
+        ignored_tools=tuple(ignored),
+    )
+
+
+def _items(messages: list[dict]) -> tuple[dict, ...]:
+    items: list[dict] = []
+    for message in messages:
+        role, content = message["role"], message["content"]
+        if isinstance(content, str):
+            items.append({"type": MESSAGE, "role": role, "content": content})
+            continue
+        parts: list[dict] = []  # text and images of the message, up to its next tool block
+        for block in content:
+            kind = block.get("type")
+            if kind == "text":
+                parts.append({"type": "input_text", "text": block["text"]})
+            elif kind == "image":
+                parts.append({"type": "input_image", "image_url": _image_url(block)})
+            elif kind in ("tool_use", "tool_result"):
+                _flush(items, role, parts)
+                items.append(_tool_item(block))
+            elif kind in ("thinking", "redacted_thinking"):
+                continue
+            else:  # documents, search results, server tool blocks: files to this server
+                parts.append({"type": "input_file"})
+        _flush(items, role, parts)
+    return tuple(items)
+
+
+def _flush(items: list[dict], role: str, parts: list[dict]) -> None:
+    if not parts:
+        return
+    if role == "assistant":
+        text = "".join(part.get("text", "") for part in parts)
+        items.append({"type": MESSAGE, "role": role, "content": text})
+    else:
+        items.append({"type": MESSAGE, "role": role, "content": list(parts)})
+    parts.clear()
+
+
+def _tool_item(block: dict) -> dict:
+    if block["type"] == "tool_use":
+        arguments = json.dumps(block.get("input") or {}, ensure_ascii=False)
+        return {
+            "type": FUNCTION_CALL,
+            "call_id": block["id"],
+            "name": block["name"],
+            "arguments": arguments,
+        }
+    output = _text(block.get("content"))
+    if block.get("is_error"):
+        output = f"Error: {output}"
+    return {"type": FUNCTION_CALL_OUTPUT, "call_id": block["tool_use_id"], "output": output}
+
+
+def _image_url(block: dict) -> str | None:
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        return f"data:{source.get('media_type')};base64,{source.get('data')}"
+    return source.get("url")
+
+
+def _text(content: Any) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(block.get("text", "") for block in content if block.get("type") == "text")
+
+
+def _function_tool(tool: dict) -> dict:
+    function = {"type": "function", "name": tool["name"]}
+    if tool.get("description"):
+        function["description"] = tool["description"]
+    function["parameters"] = tool.get("input_schema") or {"type": "object", "properties": {}}
+    function["strict"] = bool(tool.get("strict"))
+    return function
+
+
+def _tool_choice(choice: dict) -> Any:
+    kind = choice.get("type")
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "name": choice.get("name")}
+    return kind  # auto | none

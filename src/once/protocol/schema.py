@@ -1,0 +1,53 @@
+"""Request validation with the official SDKs' own types, errors naming the param at fault.
+
+A body is checked against an SDK's TypedDict through a pydantic TypeAdapter, so the schema
+is exactly what the SDK sends; the first error becomes an `InvalidRequestError` whose
+`param` is the field path an API user understands (`input[2].content[0].text`).
+"""
+
+from typing import Any
+
+from once.protocol.errors import InvalidRequestError
+
+
+def validate(adapter: Any, value: Any, prefix: str = "", *, strict: bool = False) -> None:
+    from pydantic import ValidationError
+
+    try:
+        adapter.validate_python(value, strict=strict)
+    except ValidationError as e:
+        raise schema_error(e, prefix) from None
+
+
+# pydantic's loc holds union branch tags ("str", "list[...]", "EasyInputMessageParam")
+# between the real field names; the param an API user understands skips them.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "literal", "function-after"}
+
+
+def _param_from_loc(loc: tuple) -> str | None:
+    parts: list[str] = []
+    for element in loc:
+        if isinstance(element, int):
+            parts.append(f"[{element}]")
+        elif (
+            isinstance(element, str)
+            and element not in _TYPE_TAGS
+            and element.replace("_", "").isalnum()
+            and element[:1].islower()
+        ):
+            parts.append(("." if parts else "") + element)
+    return "".join(parts) or None
+
+
+def schema_error(error, prefix: str) -> InvalidRequestError:
+    # A union reports one error per branch; the deepest one is the user's likeliest mistake.
+    details = error.errors()
+    best = max(details, key=lambda d: len(_param_from_loc(d["loc"]) or ""))
+    inner = _param_from_loc(best["loc"])
+    if inner is None:
+        param = prefix or None
+    elif inner.startswith("["):
+        param = prefix + inner
+    else:
+        param = f"{prefix}.{inner}" if prefix else inner
+    return InvalidRequestError(f"invalid value for '{param}': {best['msg']}", param=param)
