@@ -154,7 +154,8 @@ GLOB_CHARS = frozenset("*?[{")
 OPTION_CHECKED = frozenset({"find", "rg", "git", "sed"})
 
 
-def is_known_safe_command(command) -> bool:
+def is_known_safe_command(command: object) -> bool:
+    """A command (a script string or an argv, as the model sent it) that only reads."""
     if isinstance(command, str):
         return _is_safe_script(command)
     if (
