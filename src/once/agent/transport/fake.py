@@ -47,7 +47,7 @@ def function_call(name: str, /, **arguments) -> dict:
     return {"type": "function_call", "name": name, "arguments": json.dumps(arguments)}
 
 
-def scripted_response(*output: dict, status: str = "completed", usage: dict | None = None):
+def scripted_response(*output: dict, status: str = "completed", usage: dict | None = None) -> dict:
     response: dict = {"object": "response", "status": status, "output": list(output)}
     if usage is not None:
         response["usage"] = usage
