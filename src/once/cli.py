@@ -140,8 +140,11 @@ def _replace(config, **changes):
 
 
 def build_gateway(config, engine_config, registry=None):
-    """The wiring of `once serve`: an engine client, the served model, the gateway."""
-    from once.engine.loader import resolve_model_path
+    """The wiring of `once serve`: an engine client, the served model, the gateway.
+
+    With a remote engine nothing here imports torch (tests/test_torch_free.py), unless the
+    model's GGUF still has to be converted or the embedding safety classifier is on: both
+    run a torch model."""
     from once.gateway.app import create_gateway
     from once.gateway.model import ModelRuntime
     from once.gateway.safety import build_safety_checker
@@ -150,10 +153,19 @@ def build_gateway(config, engine_config, registry=None):
     if config.engine_url:
         from once.engine.client import RemoteEngineClient
         from once.engine.models.config import ModelConfig
+        from once.model_files import locate_model, read_hf_config
 
         engine = RemoteEngineClient(config.engine_url)
-        folder = resolve_model_path(config.model)
-        max_len = config.max_model_len or ModelConfig.from_hf(folder).max_position_embeddings
+        location = locate_model(config.model)
+        if location.converted:
+            folder = location.folder
+        else:
+            from once.engine.loader import resolve_model_path  # converts the GGUF: torch
+
+            folder = resolve_model_path(config.model)
+        max_len = config.max_model_len or (
+            ModelConfig.from_hf(read_hf_config(folder)).max_position_embeddings
+        )
     else:
         from once.engine.async_engine import AsyncEngine
 
@@ -227,7 +239,7 @@ def cmd_run(args) -> int:
 
     from once.bench.session_run import pick_session, plan_session, print_report, run_plans
     from once.engine.core import LLMEngine
-    from once.engine.loader import load_tokenizer
+    from once.model_files import load_tokenizer
 
     config = _engine_config(args)
     engine = LLMEngine(config)

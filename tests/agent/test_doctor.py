@@ -13,7 +13,7 @@ from once.agent.doctor import (
     TOOLS_CHANGED,
     CacheDoctor,
 )
-from once.agent.prefix import common_prefix_bytes, serialize_request
+from once.agent.prefix import common_prefix_len, serialize_request
 from once.bench.traces import CODER, MINI_SWE_AGENT, SWEAGENT_1_0, default_traces_dir
 
 TOOLS = [
@@ -82,7 +82,7 @@ def diagnose(mutate):
     mutated = copy.deepcopy(REQUEST_3)
     mutate(mutated)
     brk = doctor_before_last().observe(mutated)
-    expected_offset = common_prefix_bytes(
+    expected_offset = common_prefix_len(
         serialize_request(REQUEST_3).encode(), serialize_request(mutated).encode()
     )
     assert brk is not None and brk.call_index == 3
@@ -393,7 +393,7 @@ def test_random_single_edits_are_placed_exactly():
             holder[key] = _flip(rng, holder[key])
             item = f"{section}[{i}]"
         brk = doctor_before_last().observe(mutated)
-        expected_offset = common_prefix_bytes(
+        expected_offset = common_prefix_len(
             serialize_request(REQUEST_3).encode(), serialize_request(mutated).encode()
         )
         assert (brk.item, brk.byte_offset) == (item, expected_offset)

@@ -1,18 +1,20 @@
-"""The agent loop and its transports against the real gateway with a scripted model."""
+"""The agent loop's logic, on the in-memory ScriptedTransport (no gateway, no socket).
 
+What goes over the wire (WebSocket vs HTTP, recovery) is tested against the real gateway
+in test_transports.py.
+"""
+
+import io
 import json
-
-import openai
-import pytest
+import sys
 
 from once.agent.loop import Agent, AgentConfig
+from once.agent.session import AgentOptions, build_agent, run_session
 from once.agent.tools.base import ToolContext, ToolResult, ToolSpec
 from once.agent.tools.registry import ToolRegistry
-from once.agent.transport.http import HttpTransport, TransportError
-from once.agent.transport.websocket import WebSocketTransport
-from once.gateway.testing import DEFAULT_MODEL, scripted_texts, serve_gateway
+from once.agent.transport.fake import ScriptedTransport, function_call, scripted_response
 
-MODEL = DEFAULT_MODEL
+MODEL = "scripted-model"
 
 
 class Echo:
@@ -26,104 +28,36 @@ class Echo:
         return ToolResult(f"echo: {args['text']}")
 
 
-def call_text(name: str, **arguments) -> str:
-    body = json.dumps({"name": name, "arguments": arguments})
-    return f"Calling {name}.\n<tool_call>\n{body}\n</tool_call>"
-
-
-SCRIPT = [call_text("echo", text="one"), call_text("echo", text="two"), "All done."]
-
-
 def make_agent(transport, tmp_path, **config) -> Agent:
     registry = ToolRegistry([Echo()])
     settings = {"model": MODEL, "instructions": "You are a test agent.", **config}
     return Agent(transport, registry, ToolContext(workspace=tmp_path), AgentConfig(**settings))
 
 
-def client_for(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=20)
-
-
-async def run_task(runtime, tmp_path, transport_kind: str, **transport_options):
-    engine = scripted_texts(runtime, SCRIPT)
-    async with serve_gateway(runtime, engine) as (url, gateway):
-        client = client_for(url)
-        if transport_kind == "ws":
-            transport = WebSocketTransport(client, **transport_options)
-        else:
-            transport = HttpTransport(client)
-        agent = make_agent(transport, tmp_path)
-        result = await agent.run("Echo one, then two.")
-        await transport.close()
-        prompts = [list(r.prompt_token_ids) for r in engine.requests]
-        return result, transport, prompts, gateway
-
-
-async def test_websocket_agent_sends_only_new_items_and_matches_http(runtime, tmp_path):
-    ws_result, ws, ws_prompts, _ = await run_task(runtime, tmp_path, "ws")
-    http_result, http, http_prompts, _ = await run_task(runtime, tmp_path, "http")
-    assert ws_result.stopped == http_result.stopped == "answer"
-    assert ws_result.final_text == "All done."
-    outputs = [i["output"] for i in ws_result.history if i["type"] == "function_call_output"]
+async def test_tool_results_follow_their_calls_and_the_answer_ends_the_task(tmp_path):
+    script = [function_call("echo", text="one"), function_call("echo", text="two"), "All done."]
+    transport = ScriptedTransport(script)
+    result = await make_agent(transport, tmp_path).run("Echo one, then two.")
+    assert (result.stopped, result.final_text) == ("answer", "All done.")
+    outputs = [i["output"] for i in result.history if i["type"] == "function_call_output"]
     assert outputs == ["echo: one", "echo: two"]
-    # The same conversation reaches the engine token for token...
-    assert ws_prompts == http_prompts
-    # ...while the WebSocket sent the full request once and then only new items.
-    assert (ws.stats.full_calls, ws.stats.incremental_calls) == (1, 2)
-    assert ws.stats.bytes_sent < http.stats.bytes_sent
-    cost = ws_result.cost
-    assert cost.model_calls == 3 and cost.tool_calls == 2
-    assert cost.cached_tokens > 0  # later calls hit the prefix of earlier ones
-    assert "3 model calls" in cost.line()
+    # Each request is the last one plus its output plus the new items: append-only.
+    first, second, third = (request["input"] for request in transport.requests)
+    assert second[: len(first)] == first and third[: len(second)] == second
+    assert (transport.stats.full_calls, transport.stats.incremental_calls) == (1, 2)
+    assert result.cost.model_calls == 3 and result.cost.tool_calls == 2
+    assert result.cost.cached_tokens > 0  # later calls share the prefix of earlier ones
 
 
-async def test_lost_chain_is_resent_in_full(runtime, tmp_path):
-    # A new connection every turn, with store=false: the server no longer knows the
-    # previous response, answers previous_response_not_found, and the full input follows.
-    result, ws, prompts, _ = await run_task(runtime, tmp_path, "ws", reconnect_after_s=0)
-    assert result.final_text == "All done."
-    assert ws.stats.reconnects == 2 and ws.stats.resends == 2
-    _, _, http_prompts, _ = await run_task(runtime, tmp_path, "http")
-    assert prompts == http_prompts
-
-
-async def test_http_fallback_when_the_websocket_cannot_open(runtime, tmp_path, monkeypatch):
-    async def refuse(self):
-        raise TransportError("refused", None, 0)
-
-    monkeypatch.setattr(WebSocketTransport, "_ensure_connection", refuse)
-    result, ws, _, _ = await run_task(runtime, tmp_path, "ws")
-    assert result.final_text == "All done."
-    assert ws.stats.http_fallbacks == 3
-
-
-async def test_a_partial_response_is_never_replayed(runtime, tmp_path):
-    engine = scripted_texts(runtime, ["a long answer " * 20], token_latency_s=0.002)
-    async with serve_gateway(runtime, engine) as (url, _):
-        transport = WebSocketTransport(client_for(url))
-        agent = make_agent(transport, tmp_path)
-        seen = []
-
-        def drop_after_three(event):
-            seen.append(event["type"])
-            if len(seen) == 3:
-                raise ConnectionError("network gone")
-
-        agent.on_event = drop_after_three
-        with pytest.raises(TransportError) as info:
-            await agent.run("Say something long.")
-        assert info.value.events_received >= 3
-        assert len(engine.requests) == 1  # not sent again, over any transport
-        await transport.close()
-
-
-async def test_budget_and_bad_tool_calls(runtime, tmp_path):
-    script = [call_text("nope", x=1), call_text("echo", wrong=1), call_text("echo", text="x")]
-    engine = scripted_texts(runtime, script)
-    async with serve_gateway(runtime, engine) as (url, _):
-        transport = HttpTransport(client_for(url))
-        agent = make_agent(transport, tmp_path, max_steps=3)
-        result = await agent.run("Try tools.")
+async def test_budget_and_bad_tool_calls(tmp_path):
+    script = [
+        function_call("nope", x=1),
+        function_call("echo", wrong=1),
+        function_call("echo", text="x"),
+    ]
+    transport = ScriptedTransport(script)
+    agent = make_agent(transport, tmp_path, max_steps=3)
+    result = await agent.run("Try tools.")
     outputs = [i["output"] for i in result.history if i["type"] == "function_call_output"]
     assert outputs[0].startswith("unknown tool 'nope'")
     assert "invalid arguments for echo" in outputs[1] and "full schema" in outputs[1]
@@ -131,33 +65,47 @@ async def test_budget_and_bad_tool_calls(runtime, tmp_path):
     assert result.stopped == "max_steps"
 
 
-async def test_session_runs_real_tools_prints_the_transcript_and_a_clean_doctor(runtime, tmp_path):
-    import io
+async def test_the_token_budget_stops_the_task(tmp_path):
+    usage = {"input_tokens": 60, "output_tokens": 5}
+    script = [scripted_response(function_call("echo", text=str(i)), usage=usage) for i in range(5)]
+    result = await make_agent(ScriptedTransport(script), tmp_path, max_total_tokens=100).run("Go.")
+    assert result.stopped == "max_tokens" and result.cost.model_calls == 2
 
-    from once.agent.session import AgentOptions, build_agent, run_session
 
-    script = [call_text("shell", command="echo hello > out.txt && cat out.txt"), "Wrote it."]
-    engine = scripted_texts(runtime, script)
-    async with serve_gateway(runtime, engine) as (url, _):
-        options = AgentOptions(base_url=f"{url}/v1", workspace=tmp_path, approval="never")
-        out = io.StringIO()
-        agent = build_agent(options, out=out)
-        result = await run_session(agent, ["Write hello to out.txt."], out=out)
+async def test_compaction_starts_a_new_chain_from_a_handoff_summary(tmp_path):
+    usage = {"input_tokens": 500, "output_tokens": 5}
+    script = [
+        scripted_response(function_call("echo", text="a"), usage=usage),
+        "Summary: echoed a.",  # the answer to the handoff prompt
+        "Done.",
+    ]
+    transport = ScriptedTransport(script)
+    agent = make_agent(transport, tmp_path, compact_at_tokens=400)
+    result = await agent.run("Echo a.")
+    assert result.final_text == "Done." and result.cost.compactions == 1
+    after = transport.requests[2]["input"]
+    assert after[0] == {"type": "message", "role": "user", "content": "Echo a."}
+    assert after[-1]["content"] == "Handoff summary:\nSummary: echoed a."
+
+
+async def test_session_runs_real_tools_prints_the_transcript_and_a_clean_doctor(tmp_path):
+    script = [function_call("shell", command="echo hello > out.txt && cat out.txt"), "Wrote it."]
+    options = AgentOptions(workspace=tmp_path, approval="never")
+    out = io.StringIO()
+    agent = build_agent(options, out=out, transport=ScriptedTransport(script))
+    result = await run_session(agent, ["Write hello to out.txt."], out=out)
     assert result.stopped == "answer" and result.final_text == "Wrote it."
     assert (tmp_path / "out.txt").read_text() == "hello\n"
     text = out.getvalue()
     assert "-> shell(" in text and "hello" in text and "2 model calls" in text
     assert agent.doctor.breaks == []  # an append-only session never breaks its prefix
     assert agent.cost.incremental_calls == 1
+    assert agent.transport.closed  # the session closes its transport
 
 
-async def test_deferred_discovery_over_mcp_keeps_the_prefix(runtime, tmp_path):
+async def test_deferred_discovery_over_mcp_keeps_the_prefix(tmp_path):
     """A big MCP catalog: the request carries shell, apply_patch and tool_search only; a
     search loads a tool at the tail, the model calls it, and no request breaks the prefix."""
-    import io
-    import sys
-
-    from once.agent.session import AgentOptions, build_agent, run_session
     from once.agent.tools.mcp_client import McpConnections, McpServerConfig
 
     tools = [
@@ -187,17 +135,16 @@ async def test_deferred_discovery_over_mcp_keeps_the_prefix(runtime, tmp_path):
         args=("-m", "once.agent.tools.catalog_server", "--catalog", str(catalog)),
     )
     script = [
-        call_text("tool_search", query="weather forecast tomorrow"),
-        call_text("weather__get_forecast", city="Paris"),
+        function_call("tool_search", query="weather forecast tomorrow"),
+        function_call("weather__get_forecast", city="Paris"),
         "Sunny.",
     ]
-    engine = scripted_texts(runtime, script)
-    async with serve_gateway(runtime, engine) as (url, _):
-        async with McpConnections([server]) as mcp:
-            options = AgentOptions(base_url=f"{url}/v1", workspace=tmp_path, approval="never")
-            out = io.StringIO()
-            agent = build_agent(options, out=out, mcp_tools=mcp.tools())
-            result = await run_session(agent, ["Weather in Paris tomorrow?"], out=out)
+    async with McpConnections([server]) as mcp:
+        options = AgentOptions(workspace=tmp_path, approval="never")
+        out = io.StringIO()
+        transport = ScriptedTransport(script)
+        agent = build_agent(options, out=out, mcp_tools=mcp.tools(), transport=transport)
+        result = await run_session(agent, ["Weather in Paris tomorrow?"], out=out)
     assert result.final_text == "Sunny."
     assert sorted(t["name"] for t in agent.tools) == ["apply_patch", "shell", "tool_search"]
     kinds = [item["type"] for item in result.history]

@@ -1,5 +1,6 @@
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -10,7 +11,7 @@ from once.agent.prefix import (
     build_request,
     canonical_tools,
     check_instructions,
-    common_prefix_bytes,
+    common_prefix_len,
     find_volatile,
     fingerprint,
     serialize_request,
@@ -168,8 +169,24 @@ def test_fingerprint_parts_come_in_prompt_order_and_chain():
 @pytest.mark.parametrize(
     "a, b, n", [(b"", b"abc", 0), (b"abc", b"abc", 3), (b"abcd", b"abXd", 2), (b"ab", b"abc", 2)]
 )
-def test_common_prefix_bytes(a, b, n):
-    assert common_prefix_bytes(a, b) == n
+def test_common_prefix_len(a, b, n):
+    assert common_prefix_len(a, b) == n
+
+
+def test_common_prefix_len_matches_a_character_loop():
+    def naive(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    for _ in range(300):
+        a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
+        b = a[: rng.randrange(0, len(a) + 1)] + "".join(
+            rng.choice("ab") for _ in range(rng.randrange(0, 10))
+        )
+        assert common_prefix_len(a, b) == naive(a, b)
 
 
 # --- two processes, two hash seeds, two registration orders: one prefix ---

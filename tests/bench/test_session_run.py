@@ -6,7 +6,8 @@ from once.bench.session_run import pick_session, plan_session, run_plans
 from once.bench.traces import default_traces_dir
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.loader import load_tokenizer, resolve_model_path
+from once.engine.loader import resolve_model_path
+from once.model_files import load_tokenizer
 
 
 @pytest.fixture(scope="module")

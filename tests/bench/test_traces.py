@@ -1,5 +1,4 @@
 import json
-import random
 from collections import Counter, defaultdict
 from itertools import pairwise
 from pathlib import Path
@@ -14,7 +13,6 @@ from once.bench.traces import (
     SWEAGENT_1_1,
     Call,
     Session,
-    common_prefix_len,
     default_traces_dir,
     detect_format,
     load_session,
@@ -203,22 +201,6 @@ def test_undecodable_bytes_raise_invalid_request(tmp_path):
 def test_load_sessions_rejects_an_unknown_source(tmp_path):
     with pytest.raises(ValueError, match="unknown source"):
         load_sessions(tmp_path, source="nope")
-
-
-def test_common_prefix_len_matches_a_character_loop():
-    def naive(a, b):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        return n
-
-    rng = random.Random(0)
-    for _ in range(300):
-        a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
-        b = a[: rng.randrange(0, len(a) + 1)] + "".join(
-            rng.choice("ab") for _ in range(rng.randrange(0, 10))
-        )
-        assert common_prefix_len(a, b) == naive(a, b)
 
 
 # --- the real recorded sessions in ../shared/data/agent_traces ---

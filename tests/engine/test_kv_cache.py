@@ -3,11 +3,17 @@
 import pytest
 
 from once.engine.kv.blocks import BlockPool
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from once.engine.kv.hashing import NONE_HASH, block_hashes, hash_block_tokens
 from once.engine.kv.manager import KVCacheManager
 from once.engine.request import Request
 from once.protocol.engine import GenerateRequest, SamplingParams
+from once.protocol.kv_blocks import (
+    NONE_HASH,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_hashes,
+    hash_block_tokens,
+)
 
 
 def make_request(rid, tokens, salt=None, max_tokens=4):

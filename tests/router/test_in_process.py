@@ -6,8 +6,8 @@ import pytest
 from once.engine.async_engine import AsyncEngine
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.kv.hashing import block_hashes
 from once.engine.testing import make_tiny_model
+from once.protocol.kv_blocks import block_hashes
 from once.router import Router, RouterConfig
 from once.router.replicas import in_process_replica
 from tests.router.fakes import collect, make_request

@@ -3,8 +3,13 @@ import contextlib
 
 import pytest
 
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored
-from once.engine.kv.hashing import block_hashes, hash_block_tokens
+from once.protocol.kv_blocks import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    block_hashes,
+    hash_block_tokens,
+)
 from once.router.index import (
     ApproximatePrefixIndex,
     ExactPrefixIndex,

@@ -227,7 +227,7 @@ def test_known_difference_whole_block_prompt_counts_one_block_fewer_in_the_route
     # Why check_alignable refuses whole-block prompts: for a prompt of exactly two blocks,
     # both cached, the router's view credits one block (the engine recomputes the last
     # token), the simulator's cache two. If this fails the two now agree.
-    from once.engine.kv.hashing import block_hashes
+    from once.protocol.kv_blocks import block_hashes
 
     prompt = tuple(range(1, 2 * BLOCK_SIZE + 1))
     hashes = tuple(block_hashes(prompt, BLOCK_SIZE))

@@ -32,7 +32,7 @@ from once.agent.prefix import (
     Fingerprint,
     Part,
     byte_offset,
-    common_prefix_bytes,
+    common_prefix_len,
     differing_part,
     find_volatile,
     fingerprint,
@@ -264,8 +264,8 @@ def _normalized(request: dict) -> dict:
 def _similarity(a: str, b: str) -> float:
     # Shared head + shared tail over the longer text: near 1 for a local edit.
     a_bytes, b_bytes = a.encode(), b.encode()
-    head = common_prefix_bytes(a_bytes, b_bytes)
-    tail = common_prefix_bytes(a_bytes[::-1], b_bytes[::-1])
+    head = common_prefix_len(a_bytes, b_bytes)
+    tail = common_prefix_len(a_bytes[::-1], b_bytes[::-1])
     return min(head + tail, len(a_bytes), len(b_bytes)) / max(len(a_bytes), len(b_bytes), 1)
 
 
@@ -280,7 +280,7 @@ def _explain_params(old: dict, new: dict) -> tuple[str, str]:
 def _explain_instructions(old: str | None, new: str | None) -> str:
     if old is None or new is None:
         return "instructions added" if old is None else "instructions removed"
-    at = common_prefix_bytes(old.encode(), new.encode())
+    at = common_prefix_len(old.encode(), new.encode())
     at = len(old.encode()[:at].decode(errors="ignore"))
     detail = f"from character {at}: {_excerpt(old, at)} -> {_excerpt(new, at)}"
     added = {(k, v) for k, v, _ in find_volatile(new)} - {(k, v) for k, v, _ in find_volatile(old)}
@@ -340,7 +340,7 @@ def _describe_edit(old: dict, new: dict) -> str:
         return f"{kind} elided, replaced by {_short(after)} ({sizes})"
     if old.get("type") == "function_call_output":
         return f"tool output replaced ({sizes})"
-    at = common_prefix_bytes(before.encode(), after.encode())
+    at = common_prefix_len(before.encode(), after.encode())
     at = len(before.encode()[:at].decode(errors="ignore"))
     return f"{kind} edited at character {at}: {_excerpt(before, at)} -> {_excerpt(after, at)}"
 

@@ -13,10 +13,15 @@ model for a handoff summary and starts a new chain from it.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from once.agent.doctor import CacheDoctor
 from once.agent.prefix import canonical_tools, check_instructions
-from once.agent.tools.base import ToolContext
-from once.agent.tools.discovery import TOOL_SEARCH_NAME
+from once.agent.tools.base import ToolContext, ToolResult
+from once.agent.tools.discovery import TOOL_SEARCH_NAME, DeferredTools
 from once.agent.tools.registry import ToolRegistry
+from once.agent.transport.base import EventCallback, Transport
+
+# Called after each tool call with the model's function_call item and the result.
+ToolCallback = Callable[[dict, ToolResult], None]
 
 HANDOFF_PROMPT = (
     "Your context is nearly full. Write a handoff summary for the engineer who continues "
@@ -71,16 +76,16 @@ class AgentResult:
 class Agent:
     def __init__(
         self,
-        transport,
+        transport: Transport,
         registry: ToolRegistry,
         ctx: ToolContext,
         config: AgentConfig,
         *,
         tools: list[dict] | None = None,
-        on_event: Callable[[dict], None] | None = None,
-        on_tool: Callable[[dict, object], None] | None = None,
-        doctor=None,
-        discovery=None,
+        on_event: EventCallback | None = None,
+        on_tool: ToolCallback | None = None,
+        doctor: CacheDoctor | None = None,
+        discovery: DeferredTools | None = None,
     ):
         self.transport = transport
         self.registry = registry

@@ -25,12 +25,11 @@ its arguments dict (the registry passes the same dict to both) until `take_decis
 import functools
 import inspect
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import tree_sitter as ts
 import tree_sitter_bash
 
-from once.agent.tools.base import ToolContext, ToolSpec
+from once.agent.tools.base import Decision, ToolContext, ToolSpec
 
 NEVER = "never"
 ON_REQUEST = "on-request"
@@ -44,13 +43,6 @@ TRUSTED_TOOLS = frozenset({"tool_search", "code"})  # read-only, or whose nested
 
 # Decisions kept for tools to take; Code Mode runs calls in parallel, so more than one.
 MAX_PENDING_DECISIONS = 256
-
-
-@dataclass(frozen=True)
-class Decision:
-    allowed: bool
-    reason: str
-    sandboxed: bool = True
 
 
 class ApprovalPolicy:
@@ -154,7 +146,8 @@ GLOB_CHARS = frozenset("*?[{")
 OPTION_CHECKED = frozenset({"find", "rg", "git", "sed"})
 
 
-def is_known_safe_command(command) -> bool:
+def is_known_safe_command(command: object) -> bool:
+    """A command (a script string or an argv, as the model sent it) that only reads."""
     if isinstance(command, str):
         return _is_safe_script(command)
     if (

@@ -25,7 +25,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, AnyStr, NamedTuple
 
 from once.agent.tools.base import NAMESPACE_SEPARATOR, ToolSpec
 from once.protocol.responses import canonical_json
@@ -215,8 +215,13 @@ def fingerprint(body: dict) -> Fingerprint:
     return Fingerprint(tuple(parts), len(items))
 
 
-def common_prefix_bytes(a: bytes, b: bytes) -> int:
-    # Binary search on the first mismatch; each probe compares only the window in doubt.
+def common_prefix_len(a: AnyStr, b: AnyStr) -> int:
+    """How many leading characters (of str) or bytes (of bytes) a and b share.
+
+    Binary search for the first mismatch: a[:lo] == b[:lo] is known and the answer is at
+    most hi. Each probe compares only the window still in doubt, so the slices copied add
+    up to about 2 * len rather than len * log(len), and the compares run at memcmp speed.
+    """
     lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -279,7 +284,7 @@ def byte_offset(body: dict, name: str, expected: tuple[Part, ...]) -> int:
         hybrid.pop(name, None)
     else:
         hybrid[name] = value
-    return common_prefix_bytes(serialize_request(hybrid).encode(), serialize_request(body).encode())
+    return common_prefix_len(serialize_request(hybrid).encode(), serialize_request(body).encode())
 
 
 def shared_prompt_bytes(reference: tuple[Part, ...], new: tuple[Part, ...]) -> int:
@@ -292,7 +297,7 @@ def shared_prompt_bytes(reference: tuple[Part, ...], new: tuple[Part, ...]) -> i
         if old.digest != part.digest:
             if part.name == "params":
                 return 0
-            return shared + common_prefix_bytes(old.text.encode(), part.text.encode())
+            return shared + common_prefix_len(old.text.encode(), part.text.encode())
         if part.name != "params" and part.text != "null":
             shared += part.num_bytes
     return shared

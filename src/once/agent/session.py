@@ -6,16 +6,17 @@ ids or policy text), the tool list sorted by the registry (core tools, Code Mode
 """
 
 import sys
-from collections.abc import Callable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import openai
 
 from once.agent.doctor import CacheDoctor
 from once.agent.loop import Agent, AgentConfig, AgentResult
 from once.agent.policy import ApprovalPolicy
-from once.agent.tools.base import ToolContext
+from once.agent.tools.base import Approver, Tool, ToolContext, ToolResult
 from once.agent.tools.catalog import ToolCatalog
 from once.agent.tools.code_mode import CodeModeTool
 from once.agent.tools.discovery import DeferredTools
@@ -23,8 +24,12 @@ from once.agent.tools.patch import ApplyPatchTool
 from once.agent.tools.registry import ToolRegistry
 from once.agent.tools.sandbox import Sandbox
 from once.agent.tools.shell import ShellTool
+from once.agent.transport.base import Transport
 from once.agent.transport.http import HttpTransport
 from once.agent.transport.websocket import WebSocketTransport
+
+if TYPE_CHECKING:  # the MCP SDK loads only when a session has MCP servers
+    from once.agent.tools.mcp_client import McpServerConfig
 
 INSTRUCTIONS = (
     "You are a coding agent working in a repository. Use the tools to inspect and change "
@@ -48,21 +53,21 @@ class AgentOptions:
     session_key: str | None = None
 
 
-def make_transport(options: AgentOptions):
+def make_transport(options: AgentOptions) -> Transport:
     client = openai.AsyncOpenAI(base_url=options.base_url, api_key=options.api_key)
     if options.transport == "http":
         return HttpTransport(client)
     return WebSocketTransport(client)
 
 
-def core_tools(options: AgentOptions) -> list:
+def core_tools(options: AgentOptions) -> list[Tool]:
     tools = [ShellTool(), ApplyPatchTool()]
     if options.code_mode:
         tools.append(CodeModeTool([t.spec for t in tools]))
     return tools
 
 
-def terminal_approver(stream=sys.stdin) -> Callable[[str, dict], bool] | None:
+def terminal_approver(stream: TextIO = sys.stdin) -> Approver | None:
     """Ask on the terminal; with no terminal there is nobody to ask (deny)."""
     if not stream.isatty():
         return None
@@ -74,12 +79,19 @@ def terminal_approver(stream=sys.stdin) -> Callable[[str, dict], bool] | None:
     return approve
 
 
-def build_agent(options: AgentOptions, *, out=sys.stdout, mcp_tools=()) -> Agent:
+def build_agent(
+    options: AgentOptions,
+    *,
+    out: TextIO = sys.stdout,
+    mcp_tools: Sequence[Tool] = (),
+    transport: Transport | None = None,
+) -> Agent:
     """The agent of one session; `mcp_tools` are the tools of the user's MCP servers.
 
     With MCP tools, the deferral policy decides the request's fixed `tools`: everything
     inline when small, else the core tools plus `tool_search` over the catalog. Every
     catalog tool is registered either way, so a call is validated against its full schema.
+    `transport`: the options' (WebSocket or HTTP to `base_url`) unless given.
     """
     core = core_tools(options)
     registry = ToolRegistry(core)
@@ -108,7 +120,7 @@ def build_agent(options: AgentOptions, *, out=sys.stdout, mcp_tools=()) -> Agent
     printer = TranscriptPrinter(out)
     print(sandbox.describe(), file=out)
     return Agent(
-        make_transport(options),
+        transport if transport is not None else make_transport(options),
         registry,
         ctx,
         config,
@@ -123,7 +135,7 @@ def build_agent(options: AgentOptions, *, out=sys.stdout, mcp_tools=()) -> Agent
 class TranscriptPrinter:
     """Streams the model's text and shows each tool call with the head of its result."""
 
-    def __init__(self, out):
+    def __init__(self, out: TextIO):
         self.out = out
 
     def event(self, event: dict) -> None:
@@ -133,13 +145,13 @@ class TranscriptPrinter:
         elif event["type"] in ("response.completed", "response.incomplete"):
             self.out.write("\n")
 
-    def tool(self, call: dict, result) -> None:
+    def tool(self, call: dict, result: ToolResult) -> None:
         head = result.output if len(result.output) < 400 else result.output[:400] + " ..."
         mark = "error" if result.is_error else "ok"
         print(f"-> {call.get('name')}({call.get('arguments')}) [{mark}]\n{head}", file=self.out)
 
 
-def mcp_configs(specs: list[str]) -> list:
+def mcp_configs(specs: list[str]) -> list["McpServerConfig"]:
     """`--mcp name=command arg ...` (stdio) or `--mcp name=http://...` (streamable HTTP)."""
     import shlex
 
@@ -158,7 +170,9 @@ def mcp_configs(specs: list[str]) -> list:
     return configs
 
 
-async def run_cli_session(options: AgentOptions, tasks, mcp: list[str], out=sys.stdout):
+async def run_cli_session(
+    options: AgentOptions, tasks: Iterable[str], mcp: list[str], out: TextIO = sys.stdout
+) -> AgentResult | None:
     from once.agent.tools.mcp_client import McpConnections
 
     async with McpConnections(mcp_configs(mcp)) as connections:
@@ -166,7 +180,9 @@ async def run_cli_session(options: AgentOptions, tasks, mcp: list[str], out=sys.
         return await run_session(agent, tasks, out)
 
 
-async def run_session(agent: Agent, tasks, out=sys.stdout) -> AgentResult | None:
+async def run_session(
+    agent: Agent, tasks: Iterable[str], out: TextIO = sys.stdout
+) -> AgentResult | None:
     """One-shot (one task) or interactive (a task per line, one session)."""
     result = None
     try:

@@ -21,9 +21,9 @@ from typing import Any
 # are the harness transport's own, so the benchmark counts exactly what it sends.
 from once.agent.transport.rule import full_request_reason, incremental_request
 from once.bench.traces import CODER, SWEAGENT_1_1, Session
+from once.model_files import DEFAULT_MODEL
 from once.protocol.errors import InvalidRequestError
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 MAIN_CHAIN = "main"
 
 # SWE-agent 1.1 (Claude sessions) called three tools whose JSON schemas the trajectories do

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from once.agent.prefix import common_prefix_len
 from once.protocol.errors import InvalidRequestError
 
 MINI_SWE_AGENT = "mini-swe-agent"
@@ -272,17 +273,3 @@ def session_stats(session: Session) -> list[CallStats]:
         )
         previous = request
     return stats
-
-
-def common_prefix_len(a: str, b: str) -> int:
-    # Binary search for the first mismatch: a[:lo] == b[:lo] is known and the answer is at
-    # most hi. Each probe compares only the window still in doubt, so the slices copied
-    # add up to about 2 * len rather than len * log(len).
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo

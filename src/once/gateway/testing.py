@@ -24,9 +24,9 @@ from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.gateway.responses_http import responses_encoder
+from once.model_files import DEFAULT_MODEL
 from once.protocol.responses import parse_request
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 START_TIMEOUT_S = 10
 
 

@@ -1,6 +1,6 @@
 """Prefix indices: which full blocks of a prompt a replica probably (or surely) holds.
 
-Blocks are named by chained hashes (`once.engine.kv.hashing`, vLLM's scheme), so "the
+Blocks are named by chained hashes (`once.protocol.kv_blocks`, vLLM's scheme), so "the
 first k hashes are present" means "the first k blocks of this exact prefix are cached".
 Both indices answer `match(block_hashes) -> number of leading blocks present`.
 
@@ -25,8 +25,13 @@ Both indices answer `match(block_hashes) -> number of leading blocks present`.
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from once.engine.kv.hashing import hash_block_tokens
+from once.protocol.kv_blocks import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    hash_block_tokens,
+)
 
 
 def count_leading(present, block_hashes: Sequence[int]) -> int:

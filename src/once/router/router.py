@@ -48,9 +48,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from once.engine.kv.hashing import block_hashes, extend_block_hashes
 from once.protocol.engine import FINISH_ERROR, EngineClient, GenerateRequest, TokenDelta
 from once.protocol.errors import EngineDeadError, EngineOverloadedError
+from once.protocol.kv_blocks import block_hashes, extend_block_hashes
 from once.router.policies import Policy, RequestView, make_policy
 from once.router.replicas import Replica
 

@@ -44,8 +44,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from once.engine.kv.hashing import block_hashes
 from once.protocol.engine import GenerateRequest, SamplingParams
+from once.protocol.kv_blocks import block_hashes
 from once.router.policies import Policy
 from once.router.replicas import PrefillSpeedMeter, Replica
 from once.router.router import Router

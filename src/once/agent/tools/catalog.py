@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import jsonschema
 
 from once.agent.tools.base import Tool, ToolContext, ToolResult, ToolSpec
+from once.agent.tools.registry import ToolRegistry
 from once.agent.tools.search import DEFAULT_LIMIT, ToolSearchIndex
 
 
@@ -59,7 +60,7 @@ class ToolCatalog:
     def search(self, query: str, limit: int = DEFAULT_LIMIT) -> list[ToolSpec]:
         return self.index().search(query, limit)
 
-    def register_into(self, registry) -> list[str]:
+    def register_into(self, registry: ToolRegistry) -> list[str]:
         """Put every tool into a `ToolRegistry`, so any call is validated against its full
         schema, whether or not its definition was ever shown to the model. Returns the
         tools the registry refused, with why: a server may publish a schema that is not

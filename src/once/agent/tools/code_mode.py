@@ -28,14 +28,16 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from py_mini_racer import JSEvalException, JSOOMException, JSParseException, MiniRacer
 
 from once.agent.tools.base import ToolCallRecord, ToolContext, ToolResult, ToolSpec
-from once.agent.tools.code_mode_description import code_mode_tool_description
+from once.agent.tools.code_mode_description import (
+    CODE_TOOL_NAME,
+    CodeModeLimits,
+    code_mode_tool_description,
+)
 
-CODE_TOOL_NAME = "code"
 CODE_TOOL_PARAMETERS = {
     "type": "object",
     "properties": {
@@ -50,20 +52,6 @@ CODE_TOOL_PARAMETERS = {
 _HOST = "__once_host"  # the bridge object inside V8; non-writable
 _MEMORY_POLL_S = 0.05  # how often the heap-limit flag is checked while waiting
 _TRUNCATION_MARKER = "\n... [{} tokens truncated] ...\n"
-
-
-@dataclass(frozen=True)
-class CodeModeLimits:
-    timeout_s: float = 30.0  # wall time of the whole program, nested calls included
-    max_heap_bytes: int = 64 << 20
-    max_tool_calls: int = 200
-    max_output_tokens: int = 2000
-
-    def __post_init__(self):
-        if self.timeout_s <= 0 or self.max_heap_bytes <= 0:
-            raise ValueError("code mode limits must be positive")
-        if self.max_tool_calls < 0 or self.max_output_tokens < 16:
-            raise ValueError("max_tool_calls must be >= 0 and max_output_tokens >= 16")
 
 
 def estimate_tokens(text: str) -> int:

@@ -1,18 +1,34 @@
-"""What the model reads about Code Mode: the `code` tool's description.
+"""What the model reads about Code Mode: the `code` tool's name, limits and description.
 
-One compact line per tool function (`tools.name({arg: type, opt?: type}) - summary`),
-fixed when the tool is built so the prompt prefix stays stable.
+The description states the limits, then one compact line per tool function
+(`tools.name({arg: type, opt?: type}) - summary`); it is fixed when the tool is built so
+the prompt prefix stays stable. The runtime that enforces the limits is code_mode.py,
+which imports this module (never the other way round).
 """
 
 import json
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from once.agent.tools.base import ToolSpec
 
-if TYPE_CHECKING:
-    from once.agent.tools.code_mode import CodeModeLimits
+CODE_TOOL_NAME = "code"
+
+
+@dataclass(frozen=True)
+class CodeModeLimits:
+    timeout_s: float = 30.0  # wall time of the whole program, nested calls included
+    max_heap_bytes: int = 64 << 20
+    max_tool_calls: int = 200
+    max_output_tokens: int = 2000
+
+    def __post_init__(self):
+        if self.timeout_s <= 0 or self.max_heap_bytes <= 0:
+            raise ValueError("code mode limits must be positive")
+        if self.max_tool_calls < 0 or self.max_output_tokens < 16:
+            raise ValueError("max_tool_calls must be >= 0 and max_output_tokens >= 16")
+
 
 _INTRO = (
     "Run a JavaScript program in a fresh V8 isolate: no file system, network, modules or "
@@ -31,11 +47,9 @@ _MAX_SUMMARY_CHARS = 120
 
 
 def code_mode_tool_description(
-    specs: Iterable[ToolSpec], limits: "CodeModeLimits | None" = None
+    specs: Iterable[ToolSpec], limits: CodeModeLimits | None = None
 ) -> str:
     """What the model reads: how programs run, then one signature line per tool."""
-    from once.agent.tools.code_mode import CODE_TOOL_NAME, CodeModeLimits  # no cycle at import
-
     limits = limits or CodeModeLimits()
     intro = _INTRO.format(
         timeout=limits.timeout_s,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.types import CallToolResult
 
 from once.agent.tools.base import ToolContext, ToolResult, ToolSpec
 from once.protocol.responses import canonical_json
@@ -154,7 +155,7 @@ class McpConnection:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-def result_text(result) -> str:
+def result_text(result: CallToolResult) -> str:
     """A `CallToolResult` as one string: text parts joined, other parts named."""
     parts = []
     for item in result.content or ():

@@ -61,10 +61,9 @@ def smollm2_token_counter() -> TokenCounter:
     """The default model's tokenizer (`tokenizer.json` of the converted SmolLM2)."""
     from tokenizers import Tokenizer
 
-    from once.engine.config import DEFAULT_MODEL
-    from once.engine.loader import resolve_model_path
+    from once.model_files import DEFAULT_MODEL, find_model_folder
 
-    tokenizer = Tokenizer.from_file(str(resolve_model_path(DEFAULT_MODEL) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(find_model_folder(DEFAULT_MODEL) / "tokenizer.json"))
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 

@@ -17,17 +17,11 @@ partially answered request; this class never enables that and decides itself.
 """
 
 import time
-from collections.abc import Callable
 
 from openai import AsyncOpenAI
 
-from once.agent.transport.http import (
-    TERMINAL_EVENTS,
-    TransportError,
-    TransportStats,
-    payload_bytes,
-    stream_over_http,
-)
+from once.agent.transport.base import EventCallback, TransportError, TransportStats
+from once.agent.transport.http import TERMINAL_EVENTS, stream_over_http
 from once.agent.transport.rule import incremental_request
 
 PREVIOUS_NOT_FOUND = "previous_response_not_found"
@@ -52,7 +46,7 @@ class WebSocketTransport:
         self._previous_output: list[dict] | None = None
         self._previous_id: str | None = None
 
-    async def create(self, request: dict, on_event: Callable[[dict], None] | None = None) -> dict:
+    async def create(self, request: dict, on_event: EventCallback | None = None) -> dict:
         """Send one full request (the harness's view); return the final response dict."""
         self.stats.calls += 1
         payload = request
@@ -76,7 +70,9 @@ class WebSocketTransport:
             self._previous_id = response["id"]
         return response
 
-    async def _over_websocket(self, payload: dict, request: dict, on_event) -> dict:
+    async def _over_websocket(
+        self, payload: dict, request: dict, on_event: EventCallback | None
+    ) -> dict:
         await self._ensure_connection()
         self._count(payload)
         try:
@@ -90,7 +86,7 @@ class WebSocketTransport:
         self._count(request)
         return await self._exchange(request, on_event)
 
-    async def _exchange(self, payload: dict, on_event) -> dict:
+    async def _exchange(self, payload: dict, on_event: EventCallback | None) -> dict:
         events = 0
         try:
             await self._connection.send({"type": "response.create", **payload})
@@ -114,11 +110,7 @@ class WebSocketTransport:
             raise TransportError(f"WebSocket failed: {type(e).__name__}: {e}", None, events) from e
 
     def _count(self, payload: dict) -> None:
-        self.stats.bytes_sent += payload_bytes({"type": "response.create", **payload})
-        if "previous_response_id" in payload:
-            self.stats.incremental_calls += 1
-        else:
-            self.stats.full_calls += 1
+        self.stats.count_sent({"type": "response.create", **payload})
 
     async def _ensure_connection(self) -> None:
         too_old = time.monotonic() - self._opened_at > self.reconnect_after_s

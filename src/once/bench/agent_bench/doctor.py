@@ -31,7 +31,7 @@ from pathlib import Path
 
 from once.agent import doctor as causes
 from once.agent.doctor import CacheDoctor
-from once.agent.prefix import canonical_tools, common_prefix_bytes, serialize_request
+from once.agent.prefix import canonical_tools, common_prefix_len, serialize_request
 from once.bench.payloads import SWEAGENT_1_1_TOOLS, session_requests
 from once.bench.traces import CODER, MINI_SWE_AGENT, SWEAGENT_1_0, Session, load_sessions
 
@@ -149,7 +149,7 @@ def injected_breaks(session: Session) -> dict[str, dict]:
             clean = requests[k][0]
             previous_input = len(requests[k - 1][0]["input"])
             mutated, item = mutate(copy.deepcopy(clean), previous_input, len(outputs[k - 1]))
-            offset = common_prefix_bytes(
+            offset = common_prefix_len(
                 serialize_request(clean).encode(), serialize_request(mutated).encode()
             )
             want = {k: (cause, item, offset)}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from once.bench.engine_bench import hf_baseline, llama_cpp_side, once_side, report
 from once.bench.engine_bench.workloads import random_prompts
-from once.engine.config import DEFAULT_MODEL
+from once.model_files import DEFAULT_MODEL
 
 # src/once/bench/engine_bench/cli.py -> the repository root is four folders up.
 _REPO_ROOT = Path(__file__).resolve().parents[4]

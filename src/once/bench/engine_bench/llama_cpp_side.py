@@ -12,8 +12,7 @@ from pathlib import Path
 
 
 def find_gguf(model: str) -> Path | None:
-    from once.engine.config import DEFAULT_MODEL
-    from once.engine.loader import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_MODULE
+    from once.model_files import DEFAULT_MODEL, DEFAULT_MODEL_GGUF, DEFAULT_MODEL_MODULE
 
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":

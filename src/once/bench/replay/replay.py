@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from once.agent.doctor import CacheDoctor
-from once.agent.transport.http import TransportError, payload_bytes
+from once.agent.transport.base import TransportError, payload_bytes
 from once.agent.transport.rule import full_request_reason, non_input_fields
 from once.bench.replay.plan import SessionPlan
 from once.bench.replay.stacks import Stack

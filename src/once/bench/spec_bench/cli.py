@@ -23,9 +23,10 @@ from pathlib import Path
 
 from once.bench.spec_bench.ceiling import copy_ceiling
 from once.bench.spec_bench.workload import SpecCall, sample_calls
-from once.engine.config import DEFAULT_MODEL, EngineConfig
+from once.engine.config import EngineConfig
 from once.engine.speculative import make_drafter
 from once.engine.speculative.governor import DraftLengthGovernor
+from once.model_files import DEFAULT_MODEL
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 _REPO_ROOT = Path(__file__).resolve().parents[4]
@@ -110,7 +111,8 @@ def _with_method(config: EngineConfig, method: str) -> EngineConfig:
 
 def run_benchmark(args, log) -> dict:
     from once.engine.core import LLMEngine
-    from once.engine.loader import load_tokenizer, resolve_model_path
+    from once.engine.loader import resolve_model_path
+    from once.model_files import load_tokenizer
 
     folder = resolve_model_path(args.model)
     tokenizer = load_tokenizer(folder)

@@ -12,7 +12,7 @@ prompt the tail is evicted before the head, which other prompts are likelier to 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from once.protocol.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVBlock:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from once.engine.kv.blocks import BlockPool, KVBlock
 from once.engine.kv.connector import KVConnector, NoOpConnector
-from once.engine.kv.hashing import extend_block_hashes
 from once.engine.request import Request
+from once.protocol.kv_blocks import extend_block_hashes
 
 
 class KVCacheManager:

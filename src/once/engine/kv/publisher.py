@@ -16,7 +16,7 @@ vLLM, so a router treats a new subscription as an empty index.
 
 import time
 
-from once.engine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from once.protocol.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 def encode_event(event: KVEvent) -> list:

@@ -103,12 +103,8 @@ class DraftModelDrafter:
     @classmethod
     def from_config(cls, config, target: ModelConfig) -> "DraftModelDrafter":
         """Load `config.draft_model` like the target: same loader, device and dtype."""
-        from once.engine.loader import (
-            load_model_weights,
-            model_config_from_hf,
-            read_hf_config,
-            resolve_model_path,
-        )
+        from once.engine.loader import load_model_weights, model_config_from_hf, resolve_model_path
+        from once.model_files import read_hf_config
 
         path = resolve_model_path(config.draft_model)
         # Refuse a foreign vocabulary before reading any weights.

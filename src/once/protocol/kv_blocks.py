@@ -1,4 +1,9 @@
-"""Chained block hashes for the prefix cache (the scheme vLLM uses).
+"""The KV block contract: how a cached block is named, and what is said about it.
+
+Engines, the router's prefix indices, the simulator and vLLM replicas all speak it, so it
+lives here, free of torch and of any layer.
+
+Names: chained block hashes (the scheme vLLM uses).
 
     hash(block i) = H(hash(block i-1), token ids of block i, extra keys of block i)
 
@@ -7,12 +12,21 @@ pickled triple, as in vLLM; the first block's parent is a seed hash and its extr
 the tenant's cache salt, so tenants never share blocks. Hashes are truncated to 64 bits
 (the int form vLLM's KV events use for external consumers) to keep dict keys and event
 payloads small; collisions are still guarded by comparing token ids on every hit.
+
+Events: vLLM publishes `KVEventBatch(ts, events)` with `BlockStored(block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium)`, `BlockRemoved(block_hashes,
+medium)` and `AllBlocksCleared()`. The dataclasses below carry the same fields, and their
+dicts a `type` tag, so a router's exact prefix index can follow either kind of engine.
 """
 
 import hashlib
 import os
 import pickle
+import time
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+# --- block hashes ----------------------------------------------------------------------
 
 
 def _seed_hash() -> int:
@@ -53,3 +67,46 @@ def block_hashes(
     token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
 ) -> list[int]:
     return extend_block_hashes([], token_ids, block_size, cache_salt)
+
+
+# --- KV events (vLLM's format) ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = "CPU"
+
+    def to_dict(self) -> dict:
+        return {"type": "BlockStored", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = "CPU"
+
+    def to_dict(self) -> dict:
+        return {"type": "BlockRemoved", **asdict(self)}
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    def to_dict(self) -> dict:
+        return {"type": "AllBlocksCleared"}
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    events: list[KVEvent]
+    ts: float = field(default_factory=time.time)
+
+    def to_dict(self) -> dict:
+        return {"ts": self.ts, "events": [e.to_dict() for e in self.events]}
