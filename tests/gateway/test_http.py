@@ -105,7 +105,11 @@ async def stateless_prompts(runtime, texts, turns, **request) -> list[list[int]]
     whole conversation (store false, no previous_response_id). `turns[k]` maps the
     previous response (None at first) to the new items of turn k."""
     engine = scripted_texts(runtime, texts)
-    async with serve_gateway(runtime, engine) as (url, gateway), client_for(url) as client:
+    full_renders_only = replace(CONFIG, stateless_states=0)  # the reference renders in full
+    async with (
+        serve_gateway(runtime, engine, full_renders_only) as (url, gateway),
+        client_for(url) as client,
+    ):
         items: list[dict] = []
         previous = None
         for new_items in turns:

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
+from once.gateway.aliases import ModelAliases
 from once.gateway.auth import KeyRing
 from once.gateway.capacity import CpuCostMeter
 from once.gateway.chat_http import chat_routes
@@ -23,6 +24,7 @@ from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
+from once.gateway.prefix_states import PrefixStates
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.responses_http import responses_routes
 from once.gateway.store import open_store
@@ -75,8 +77,8 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     @app.get("/v1/models")
     async def list_models():
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "once"}
-            for name in pipeline.models
+            {"id": name, "object": "model", "created": 0, "owned_by": "once", "served_as": served}
+            for name, served in pipeline.aliases.listed()
         ]
         return {"object": "list", "data": data}
 
@@ -116,4 +118,6 @@ def create_gateway(
         stream_interval_s=config.stream_interval_s,
         max_body_bytes=config.max_body_bytes,
         websocket_max_age_s=config.websocket_max_age_s,
+        aliases=ModelAliases(models, config.aliases),
+        prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
     )

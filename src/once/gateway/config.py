@@ -22,8 +22,15 @@ class GatewayConfig:
     store_ttl_s: float = 30 * 24 * 3600.0  # as long as OpenAI keeps stored responses
     websocket_max_age_s: float = 3600.0  # then websocket_connection_limit_reached
     verify_every: int = 32  # check 1 in N incremental prompts against a full render
+    # Stateless clients' conversation states (prefix_states.py): at most this many, holding
+    # at most stateless_tokens ids in all; 0 states: every stateless request renders in full.
+    stateless_states: int = 512
+    stateless_tokens: int = 8_000_000
     stream_interval_s: float = 0.002  # tokens closer together than this share an event batch
     safety: dict = field(default_factory=dict)  # one model's [safety] table; {}: off
+    # [gateway.aliases]: client model name or glob -> served model; None: the defaults
+    # (aliases.py), {}: none.
+    aliases: dict | None = None
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
 
@@ -42,7 +49,7 @@ class GatewayConfig:
             raise ValueError(f"unknown gateway config keys in {path}: {unknown}")
         for name, spec in known.items():
             env = os.environ.get(f"ONCE_GATEWAY_{name.upper()}")
-            if env is not None and name != "safety":
+            if env is not None and name not in ("safety", "aliases"):
                 values[name] = _coerce(env, spec.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

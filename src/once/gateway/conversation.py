@@ -2,7 +2,9 @@
 
 A response continues a conversation through `previous_response_id`, looked up first in the
 caller's WebSocket connection (which keeps its last responses even with `store: false`)
-and then in the store (scoped to the tenant). What is kept is a `ConversationState`: the
+and then in the store (scoped to the tenant); a stateless request, which resends the
+whole conversation, finds its longest kept prefix by the hash of its messages
+(prefix_states.py). What is kept is a `ConversationState`: the
 token ids the engine saw plus the ids the model sampled, so a continuation tokenizes only
 its new items, and, when known, every item so far.
 
@@ -13,9 +15,10 @@ so a client never waits for the check.
 """
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from once.gateway.auth import Tenant
+from once.gateway.prefix_states import PrefixStates
 from once.gateway.store import ResponseStore, StoredResponse
 from once.gateway.tokens import ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
@@ -62,13 +65,16 @@ class SavedTurn:
     previous_response_id: str | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # A stateless request's states, under the hashes a resend of them will have.
+    prefix_states: list[tuple[bytes, ConversationState]] = field(default_factory=list)
 
 
 class Conversations:
     """Conversation states in connections and in the response store."""
 
-    def __init__(self, store: ResponseStore):
+    def __init__(self, store: ResponseStore, prefix_states: PrefixStates | None = None):
         self.store = store
+        self.prefix_states = PrefixStates() if prefix_states is None else prefix_states
         self._markers: set[asyncio.Task] = set()
 
     async def previous_state(
@@ -123,8 +129,11 @@ class Conversations:
         if verification is not None and verification.done() and not verification.result():
             state.render_key += DIVERGED
             verification = None
+            turn.prefix_states = []  # a diverged prompt is no state to build on
         if connection is not None:
             connection.put(turn.response_id, state)
+        for key, prefix_state in turn.prefix_states:
+            self.prefix_states.put(key, prefix_state)
         record = None
         if turn.store:
             record = StoredResponse(
@@ -140,7 +149,8 @@ class Conversations:
             )
             await self.store.put(record)
         if verification is not None and not verification.done():
-            marker = asyncio.create_task(self._mark_if_diverged(verification, state, record))
+            keys = [key for key, _ in turn.prefix_states]
+            marker = asyncio.create_task(self._mark_if_diverged(verification, state, record, keys))
             self._markers.add(marker)
             marker.add_done_callback(self._markers.discard)
 
@@ -149,10 +159,13 @@ class Conversations:
         verification: asyncio.Task[bool],
         state: ConversationState,
         record: StoredResponse | None,
+        prefix_keys: list[bytes],
     ) -> None:
         if await verification:
             return
         state.render_key += DIVERGED  # the connection's copy: the object it holds
+        for key in prefix_keys:
+            self.prefix_states.discard(key)
         if record is not None:
             record.render_key += DIVERGED
             await self.store.put(record)

@@ -26,6 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from once.gateway.aliases import ModelAliases
 from once.gateway.auth import KeyRing, Tenant
 from once.gateway.capacity import CpuCostMeter
 from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
@@ -33,6 +34,7 @@ from once.gateway.generation import EventBatch, Generation
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED
+from once.gateway.prefix_states import PrefixStates, chain
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.store import ResponseStore
@@ -90,9 +92,12 @@ class ResponsePipeline:
         stream_interval_s: float = 0.002,
         max_body_bytes: int = 32 * 1024 * 1024,
         websocket_max_age_s: float = 3600.0,
+        aliases: ModelAliases | None = None,
+        prefix_states: PrefixStates | None = None,
     ):
         self.engine = engine
         self.models = models
+        self.aliases = ModelAliases(models) if aliases is None else aliases
         self.store = store
         self.metrics = metrics
         self.meter = meter
@@ -101,7 +106,7 @@ class ResponsePipeline:
         self.stream_interval_s = stream_interval_s
         self.max_body_bytes = max_body_bytes
         self.websocket_max_age_s = websocket_max_age_s
-        self.conversations = Conversations(store)
+        self.conversations = Conversations(store, prefix_states)
         self.preparer = PromptPreparer(
             self.conversations, metrics, self.meter.record, verify_every=verify_every
         )
@@ -127,7 +132,7 @@ class ResponsePipeline:
             if inherit is not None and isinstance(body, dict):
                 body = await inherit(body)
             request = parse(body)
-            model = check_semantics(request, self.models)
+            model = check_semantics(request, self.models, self.aliases)
             tenant = self.keyring.authenticate(authorization)
             await self.limiter.hit_request(tenant)
         except OnceError:
@@ -264,8 +269,27 @@ class ResponsePipeline:
             previous_response_id=request.previous_response_id,
             prompt_token_ids=final.token_ids if not final.output_ids else built.prompt_ids,
             output_token_ids=final.output_ids,
+            prefix_states=self._prefix_states(prepared, final),
         )
         await self.conversations.save(turn, prepared.connection, final.verification)
+
+    def _prefix_states(
+        self, prepared: Prepared, final: FinalSave
+    ) -> list[tuple[bytes, ConversationState]]:
+        """A stateless request's two states (prefix_states.py): its prompt's context, and
+        the prompt plus the sampled ids under the hash of the reply sent back unchanged."""
+        hashes = prepared.chain_hashes
+        if not hashes:
+            return []
+        built = prepared.built
+        states = [(hashes[-1], ConversationState(built.render_key, list(built.context_ids), False))]
+        reply = prepared.model.renderer.item_messages(prepared.output.items)
+        last = prepared.model.renderer.item_messages(prepared.new_items[-1:])
+        opens_a_turn = not last or last[-1]["role"] != "assistant"
+        if final.output_ids and len(reply) == 1 and opens_a_turn:
+            key = chain(hashes[-1], reply)[0]
+            states.append((key, ConversationState(built.render_key, final.token_ids, True)))
+        return states
 
     def _start_verification(self, prepared: Prepared) -> asyncio.Task[bool] | None:
         task = self.preparer.start_verification(prepared)

@@ -24,6 +24,7 @@ from once.gateway.conversation import ConnectionCache, Conversations
 from once.gateway.metrics import AddedTime, GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import OutputBuilder, new_id
+from once.gateway.prefix_states import chain, chain_seed
 from once.gateway.render import NotIncrementalError
 from once.gateway.tokens import BuiltPrompt, ConversationState, render_key
 from once.protocol.errors import ContextLengthExceededError
@@ -55,6 +56,8 @@ class Prepared:
     new_items: tuple[dict, ...]
     verify: bool
     connection: ConnectionCache | None = None
+    # Stateless requests: the hash chain of their messages (prefix_states.py).
+    chain_hashes: list[bytes] | None = None
     response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = 0
     # This response's CPU in the gateway's synchronous sections (thread time): render,
@@ -94,25 +97,37 @@ class PromptPreparer:
         created_at: int,
     ) -> Prepared:
         key = render_key(model.name, request.instructions, request.tools)
-        state, items = None, None
+        state, items, new_items = None, None, request.input_items
+        chain_hashes: list[bytes] | None = None
         if request.previous_response_id:
             state = await self.conversations.previous_state(
                 request.previous_response_id, tenant, connection
             )
+        else:
+            # Stateless: the request holds the whole conversation; a kept state of its
+            # longest known prefix saves tokenizing that prefix again.
+            items = tuple(request.input_items)
+            spans = model.renderer.message_spans(items)
+            chain_hashes = chain(chain_seed(tenant.name, key), [m for m, _ in spans])
+            match = self.conversations.prefix_states.longest(chain_hashes)
+            if match is not None:
+                state = match.state
+                new_items = items[spans[match.num_messages - 1][1] :]
         built = None
         if state is not None and state.render_key == key:
             try:
                 built = await self._run_cpu(
-                    _num_chars(request.input_items),
+                    _num_chars(new_items),
                     model.builder.continuation,
                     state,
                     request.tools,
-                    request.input_items,
+                    new_items,
                 )
             except NotIncrementalError:
                 self.metrics.fallbacks.inc()
         if built is None:
-            items = await self._all_items(state, request, tenant)
+            if items is None:
+                items = await self._all_items(state, request, tenant)
             built = await self._run_cpu(
                 _num_chars(items),
                 model.builder.full,
@@ -140,6 +155,7 @@ class PromptPreparer:
             connection=connection,
             created_at=created_at,
             cpu_s=built.render_cpu_s + built.tokenize_cpu_s,
+            chain_hashes=chain_hashes,
         )
 
     async def count_prompt_tokens(

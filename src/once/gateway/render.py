@@ -110,8 +110,14 @@ class PromptRenderer:
 
     def item_messages(self, items: Sequence[dict]) -> list[dict]:
         """One chat message per turn; an assistant text and its tool calls share a turn."""
+        return [message for message, _ in self.message_spans(items)]
+
+    def message_spans(self, items: Sequence[dict]) -> list[tuple[dict, int]]:
+        """Each message with the number of items it and those before it were made of: a
+        conversation may be cut after any message at that many items."""
         messages: list[dict] = []
-        for item in items:
+        ends: list[int] = []
+        for index, item in enumerate(items):
             kind = item["type"]
             if kind == MESSAGE:
                 role = item.get("role", "user")
@@ -128,7 +134,11 @@ class PromptRenderer:
                 block = "<tools>\n" + tools_block(item.get("tools") or ()) + "\n</tools>"
                 messages.append({"role": "tool", "content": block, "_calls": []})
             # reasoning items carry nothing this server's models read
-        return [self._finish(m) for m in messages]
+            if len(ends) < len(messages):
+                ends.append(index + 1)
+            elif ends:
+                ends[-1] = index + 1  # joined the turn before (a call, a skipped item)
+        return [(self._finish(m), end) for m, end in zip(messages, ends, strict=True)]
 
     def _finish(self, message: dict) -> dict:
         calls = message.pop("_calls")

@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 
+from once.gateway.aliases import ModelAliases
 from once.gateway.model import ModelRuntime
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
 from once.protocol.responses import (
@@ -24,8 +25,11 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 
 
-def check_semantics(request: ResponsesRequest, models: dict[str, ModelRuntime]) -> ModelRuntime:
-    model = models.get(request.model)
+def check_semantics(
+    request: ResponsesRequest, models: dict[str, ModelRuntime], aliases: ModelAliases
+) -> ModelRuntime:
+    served = aliases.resolve(request.model)
+    model = models.get(served) if served is not None else None
     if model is None:
         raise ModelNotFoundError(
             f"the model {request.model!r} does not exist on this server "

@@ -78,6 +78,7 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
     validate(_adapter("body"), {**top, "messages": []}, strict=True)
     if body["max_tokens"] < 1:
         raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+    _check_sampling(body)
     for i, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant", "system"):
@@ -115,6 +116,21 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
         stop=stops,
         ignored_tools=tuple(ignored),
     )
+
+
+def _check_sampling(body: dict) -> None:
+    # The SDK's types no longer list Anthropic's sampling fields; the API still takes them.
+    for name, low, high in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequestError(f"{name} must be a number", param=name)
+        if not low <= value <= high or (name == "top_p" and value == 0):
+            raise InvalidRequestError(f"{name} must be in [{low:g}, {high:g}]", param=name)
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise InvalidRequestError("top_k must be a non-negative integer", param="top_k")
 
 
 def _items(messages: list[dict]) -> tuple[dict, ...]:

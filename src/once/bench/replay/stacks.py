@@ -45,7 +45,7 @@ class StackSpec:
 
 
 ONCE = StackSpec("once", websocket=True, prefix_caching=True)
-NAIVE = StackSpec("naive", websocket=False, prefix_caching=False)
+NAIVE = StackSpec("naive", websocket=False, prefix_caching=False, incremental_tokenization=False)
 
 
 def make_tiny_replay_model(folder: Path, max_model_len: int) -> Path:
