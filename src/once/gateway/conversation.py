@@ -65,8 +65,10 @@ class SavedTurn:
     previous_response_id: str | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # A stateless request's states, under the hashes a resend of them will have.
+    # A stateless request's states, under the hashes a resend of them will have, and the
+    # kept state its prompt was built on (dropped too if the prompt diverged).
     prefix_states: list[tuple[bytes, ConversationState]] = field(default_factory=list)
+    used_prefix_key: bytes | None = None
 
 
 class Conversations:
@@ -130,6 +132,8 @@ class Conversations:
             state.render_key += DIVERGED
             verification = None
             turn.prefix_states = []  # a diverged prompt is no state to build on
+            if turn.used_prefix_key is not None:
+                self.prefix_states.discard(turn.used_prefix_key)
         if connection is not None:
             connection.put(turn.response_id, state)
         for key, prefix_state in turn.prefix_states:
@@ -150,6 +154,8 @@ class Conversations:
             await self.store.put(record)
         if verification is not None and not verification.done():
             keys = [key for key, _ in turn.prefix_states]
+            if turn.used_prefix_key is not None:
+                keys.append(turn.used_prefix_key)
             marker = asyncio.create_task(self._mark_if_diverged(verification, state, record, keys))
             self._markers.add(marker)
             marker.add_done_callback(self._markers.discard)

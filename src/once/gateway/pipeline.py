@@ -270,6 +270,7 @@ class ResponsePipeline:
             prompt_token_ids=final.token_ids if not final.output_ids else built.prompt_ids,
             output_token_ids=final.output_ids,
             prefix_states=self._prefix_states(prepared, final),
+            used_prefix_key=prepared.used_prefix_key,
         )
         await self.conversations.save(turn, prepared.connection, final.verification)
 

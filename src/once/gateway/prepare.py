@@ -26,7 +26,7 @@ from once.gateway.model import ModelRuntime
 from once.gateway.output import OutputBuilder, new_id
 from once.gateway.prefix_states import chain, chain_seed
 from once.gateway.render import NotIncrementalError
-from once.gateway.tokens import BuiltPrompt, ConversationState, render_key
+from once.gateway.tokens import INCREMENTAL, BuiltPrompt, ConversationState, render_key
 from once.protocol.errors import ContextLengthExceededError
 from once.protocol.responses import ResponsesRequest
 
@@ -58,6 +58,7 @@ class Prepared:
     connection: ConnectionCache | None = None
     # Stateless requests: the hash chain of their messages (prefix_states.py).
     chain_hashes: list[bytes] | None = None
+    used_prefix_key: bytes | None = None  # the kept state an incremental prompt came from
     response_id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = 0
     # This response's CPU in the gateway's synchronous sections (thread time): render,
@@ -99,6 +100,7 @@ class PromptPreparer:
         key = render_key(model.name, request.instructions, request.tools)
         state, items, new_items = None, None, request.input_items
         chain_hashes: list[bytes] | None = None
+        used_prefix_key: bytes | None = None
         if request.previous_response_id:
             state = await self.conversations.previous_state(
                 request.previous_response_id, tenant, connection
@@ -113,6 +115,7 @@ class PromptPreparer:
             if match is not None:
                 state = match.state
                 new_items = items[spans[match.num_messages - 1][1] :]
+                used_prefix_key = chain_hashes[match.num_messages - 1]
         built = None
         if state is not None and state.render_key == key:
             try:
@@ -156,6 +159,7 @@ class PromptPreparer:
             created_at=created_at,
             cpu_s=built.render_cpu_s + built.tokenize_cpu_s,
             chain_hashes=chain_hashes,
+            used_prefix_key=used_prefix_key if built.mode == INCREMENTAL else None,
         )
 
     async def count_prompt_tokens(
