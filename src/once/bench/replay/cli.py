@@ -45,6 +45,7 @@ from once.bench.replay.report import write_report
 from once.bench.replay.routing import ONCE_POLICY, StackRun, routed_runs, routing_section
 from once.bench.replay.sessions import find_session, sample_names
 from once.bench.replay.stacks import (
+    APIS,
     NAIVE,
     ONCE,
     TINY,
@@ -52,6 +53,7 @@ from once.bench.replay.stacks import (
     load_served_runtime,
     make_tiny_replay_model,
     open_stack,
+    stacks_for,
 )
 from once.bench.replay.traffic import progress_bars, replay_sessions
 from once.router.policies import POLICIES
@@ -68,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="session names (<folder>/<stem> or a unique stem); default: the named sample",
     )
     parser.add_argument("--model", default=TINY, help="'tiny' (random weights) or a model name")
+    parser.add_argument(
+        "--api",
+        choices=APIS,
+        default=APIS[0],
+        help="what the harness speaks: Responses over WebSocket (default) or HTTP, Chat "
+        "Completions, or Anthropic Messages (once and naive both speak it)",
+    )
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     parser.add_argument("--max-calls", type=int, help="replay only the first N calls")
     parser.add_argument(
@@ -215,6 +224,8 @@ async def run_replay(sessions, args) -> dict:
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
+    if getattr(args, "api", APIS[0]) != APIS[0]:
+        report["api"] = args.api
     specs = {run.spec.name: run.spec for run in runs}
     ablations = [name for name in ABLATIONS if name in specs]
     add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args, ablations)
@@ -234,7 +245,7 @@ def stack_runs(args) -> list[StackRun]:
         )  # fmt: skip
         once_options = runs[0].options  # the once policy's stack comes first
     else:
-        runs = [StackRun(spec) for spec in STACKS.values()]
+        runs = [StackRun(spec) for spec in stacks_for(getattr(args, "api", APIS[0])).values()]
         once_options = {}
     if getattr(args, "ablate", False):
         runs += [

@@ -22,8 +22,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import anthropic
 import openai
 
+from once.agent.transport.base import Transport
 from once.bench.replay.forced import ForcedOutputEngine
 from once.bench.replay.replicas import Fleet, open_fleet
 from once.gateway.config import GatewayConfig
@@ -42,10 +44,27 @@ class StackSpec:
     prefix_caching: bool
     incremental_tokenization: bool = True  # False: the gateway renders every prompt in full
     speculative_method: str = ""  # the engine's drafter ("ngram", "suffix"); "" is off
+    api: str = "responses"  # or "chat" (Chat Completions), "messages" (Anthropic Messages)
 
 
 ONCE = StackSpec("once", websocket=True, prefix_caching=True)
 NAIVE = StackSpec("naive", websocket=False, prefix_caching=False, incremental_tokenization=False)
+APIS = ("responses-ws", "responses-http", "chat", "messages")
+
+
+def stacks_for(api: str) -> dict[str, StackSpec]:
+    """once and naive speaking `api`; naive is always stateless, with no cache anywhere
+    (over the Responses API it is HTTP: WebSocket mode is once's own saving)."""
+    if api == "responses-ws":
+        return {"once": ONCE, "naive": NAIVE}
+    if api == "responses-http":
+        return {"once": replace(ONCE, websocket=False), "naive": NAIVE}
+    if api not in APIS:
+        raise ValueError(f"unknown API {api!r}; one of {', '.join(APIS)}")
+    return {
+        "once": replace(ONCE, websocket=False, api=api),
+        "naive": replace(NAIVE, api=api),
+    }
 
 
 def make_tiny_replay_model(folder: Path, max_model_len: int) -> Path:
@@ -120,6 +139,7 @@ class Stack:
     client: openai.AsyncOpenAI
     builds: LoggingBuilder | None = None
     fleet: Fleet | None = None  # the replicas and router, when the engine is routed
+    anthropic_client: anthropic.AsyncAnthropic | None = None  # the Messages API's client
 
     @property
     def session_namespace(self) -> str:
@@ -143,10 +163,17 @@ class Stack:
     def replica_of(self, request_id: str) -> str | None:
         return None if self.fleet is None else self.fleet.replica_of(request_id)
 
-    def transport(self):
+    def transport(self) -> Transport:
+        from once.agent.transport.chat import ChatCompletionsTransport
         from once.agent.transport.http import HttpTransport
+        from once.agent.transport.messages import MessagesTransport
         from once.agent.transport.websocket import WebSocketTransport
 
+        if self.spec.api == "chat":
+            return ChatCompletionsTransport(self.client)
+        if self.spec.api == "messages":
+            assert self.anthropic_client is not None  # open_stack makes one for this API
+            return MessagesTransport(self.anthropic_client)
         if self.spec.websocket:
             # No HTTP fallback: a silent fallback would hide a broken WebSocket path.
             return WebSocketTransport(self.client, http_fallback=False)
@@ -240,7 +267,13 @@ async def open_stack(
             base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
         )
         stack_of_closers.push_async_callback(client.close)
-        yield Stack(spec, engine, forced, gateway, client, builds, fleet)
+        anthropic_client = None
+        if spec.api == "messages":
+            anthropic_client = anthropic.AsyncAnthropic(
+                base_url=url, api_key="replay", max_retries=0, timeout=600
+            )
+            stack_of_closers.push_async_callback(anthropic_client.close)
+        yield Stack(spec, engine, forced, gateway, client, builds, fleet, anthropic_client)
 
 
 def _in_process_engine(spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks):
