@@ -19,6 +19,7 @@ from once.gateway.output import COMPLETED, FAILED, INCOMPLETE, OutputBuilder, Ou
 from once.gateway.prepare import Prepared
 from once.gateway.safety import SafetyVerdict
 from once.gateway.stops import StopMatcher
+from once.gateway.tool_items import call_item, declared_types
 from once.gateway.toolcalls import TextDelta, ToolCallParsed, ToolCallStreamParser
 from once.gateway.validation import safety_texts
 from once.protocol.engine import (
@@ -68,6 +69,9 @@ class Generation:
         self.engine_done = asyncio.Event()
         self._interval_waiter: asyncio.Future | None = None  # see _next
         self.stops = StopMatcher(prepared.request.stop)
+        # What kinds of tool the model may call (tool_items.py), from everything known.
+        known_items = prepared.items if prepared.items is not None else prepared.new_items
+        self.declared = declared_types(prepared.request.tools, known_items)
 
     def usage(self) -> Usage:
         num_prompt = len(self.prepared.built.prompt_ids)
@@ -255,7 +259,8 @@ class Generation:
         if isinstance(parsed, ToolCallParsed):
             if self.output.num_function_calls and not self.prepared.request.parallel_tool_calls:
                 return []  # parallel_tool_calls=false: the first call only
-            return self.output.function_call(parsed.name, parsed.arguments)
+            item = call_item(parsed.name, parsed.arguments, parsed.input, self.declared)
+            return self.output.tool_call(item)
         return self.output.text(parsed.raw)  # malformed: shown as the text it was
 
     def _finish(self, detok, parser) -> EventBatch:

@@ -13,6 +13,9 @@ from once.protocol.errors import (
     RateLimitError,
 )
 
+# Names the request's hosted tools this server has no backend for, left out of the prompt.
+IGNORED_TOOLS_HEADER = "once-ignored-tools"
+
 
 def error_response(error: OnceError, headers: dict[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})

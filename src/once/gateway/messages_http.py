@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from once.gateway.capacity import LOAD_REPORT_HEADER
-from once.gateway.http_io import decode_json, read_body
+from once.gateway.http_io import IGNORED_TOOLS_HEADER, decode_json, read_body
 from once.gateway.messages_events import MessagesEncoder
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.sse import sse_frame
@@ -22,7 +22,6 @@ from once.protocol.errors import OnceError, RateLimitError, error_from_dict
 from once.protocol.messages import parse_count_tokens_request, parse_messages_request
 
 TRANSPORT = "http"
-IGNORED_TOOLS_HEADER = "once-ignored-tools"
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",

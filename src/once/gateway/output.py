@@ -19,6 +19,17 @@ INCOMPLETE = "incomplete"  # with a reason: max_output_tokens, content_filter, c
 FAILED = "failed"  # with an error {code, message}
 
 
+# Ids of the call items, as OpenAI prefixes them.
+ID_PREFIXES = {
+    "function_call": "fc",
+    "custom_tool_call": "ctc",
+    "tool_search_call": "tsc",
+    "local_shell_call": "lsh",
+    "shell_call": "sh",
+    "apply_patch_call": "apc",
+}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
@@ -62,7 +73,7 @@ class MessageClosed:
 @dataclass(frozen=True)
 class FunctionCallEmitted:
     output_index: int
-    item: dict  # a complete function_call item (calls are parsed whole)
+    item: dict  # a complete call item of any kind (calls are parsed whole)
 
 
 @dataclass(frozen=True)
@@ -115,22 +126,21 @@ class OutputBuilder:
         return events
 
     def function_call(self, name: str, arguments: str) -> list[OutputEvent]:
+        return self.tool_call({"type": "function_call", "name": name, "arguments": arguments})
+
+    def tool_call(self, fields: dict) -> list[OutputEvent]:
+        """A whole call item of any kind (tool_items.py): `fields` without ids or status."""
         events = self._close_message(COMPLETED)
-        item = {
-            "id": new_id("fc"),
-            "type": "function_call",
-            "status": "completed",
-            "call_id": new_id("call"),
-            "name": name,
-            "arguments": arguments,
-        }
+        prefix = ID_PREFIXES.get(fields["type"], "call")
+        item = {"id": new_id(prefix), "status": "completed", "call_id": new_id("call"), **fields}
+        item = {"id": item["id"], "type": item["type"], **item}  # the SDK's key order
         self.items.append(item)
         events.append(FunctionCallEmitted(len(self.items) - 1, dict(item)))
         return events
 
     @property
     def num_function_calls(self) -> int:
-        return sum(item["type"] == "function_call" for item in self.items)
+        return sum(item["type"] != "message" for item in self.items)
 
     def discard(self) -> None:
         """Drop everything produced so far (held output the input check refused)."""

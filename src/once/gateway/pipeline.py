@@ -39,6 +39,7 @@ from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.store import ResponseStore
 from once.gateway.tokens import ConversationState
+from once.gateway.tool_items import hosted_tool_names
 from once.gateway.validation import check_semantics
 from once.gateway.warm_up import warm_up_events
 from once.protocol.engine import EngineClient, SamplingParams
@@ -132,6 +133,9 @@ class ResponsePipeline:
             if inherit is not None and isinstance(body, dict):
                 body = await inherit(body)
             request = parse(body)
+            if not request.ignored_tools:
+                hosted = hosted_tool_names(request.tools)
+                request = replace(request, ignored_tools=tuple(hosted)) if hosted else request
             model = check_semantics(request, self.models, self.aliases)
             tenant = self.keyring.authenticate(authorization)
             await self.limiter.hit_request(tenant)

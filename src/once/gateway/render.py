@@ -24,15 +24,22 @@ background verification in `tokens.py` catches any template where it does not.
 import json
 from collections.abc import Sequence
 
+from once.gateway.tool_items import (
+    CALL_TYPES,
+    OUTPUT_TYPES,
+    TOOL_SEARCH_PARAMETERS,
+    TYPED_CLIENT_TOOLS,
+    call_parts,
+    is_client_tool_search,
+    output_item_text,
+)
 from once.gateway.toolcalls import render_tool_call
 from once.protocol.responses import (
-    FUNCTION_CALL,
-    FUNCTION_CALL_OUTPUT,
+    ADDITIONAL_TOOLS,
     MESSAGE,
     TOOL_SEARCH_OUTPUT,
     canonical_json,
     message_text,
-    output_text,
 )
 
 TOOLS_PREAMBLE = (
@@ -43,6 +50,15 @@ TOOLS_POSTAMBLE = (
     "\n</tools>\n\nFor each function call, return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+# Only when the tools hold such kinds, so a prompt with plain functions never changes.
+NAMESPACE_NOTE = (
+    '\n\nA tool listed inside a "namespace" is called by the namespace\'s name, a dot, and '
+    "the tool's name: <namespace>.<tool>."
+)
+CUSTOM_NOTE = (
+    '\n\nA tool of type "custom" takes free-form text, not JSON arguments:\n<tool_call>\n'
+    '{"name": <tool-name>, "input": <text as a json string>}\n</tool_call>'
 )
 
 # The anchor conversation continuations are rendered against. Its contents never reach
@@ -58,8 +74,33 @@ class NotIncrementalError(Exception):
     """The template does not render these messages independently of what precedes them."""
 
 
-def canonical_tool(tool: dict) -> dict:
-    """The fields of a function tool that reach the prompt, in one fixed shape."""
+def canonical_tool(tool: dict) -> dict | None:
+    """The fields of a tool that reach the prompt, in one fixed shape (tool_items.py says
+    how each kind is called); None for a hosted tool, which does not reach it."""
+    kind = tool.get("type") or ("namespace" if "tools" in tool else "function")
+    if kind == "namespace":
+        out: dict = {"type": "namespace", "name": tool.get("name", "")}
+        if tool.get("description"):
+            out["description"] = tool["description"]
+        out["tools"] = sorted_tools(tool.get("tools") or ())
+        return out
+    if kind == "custom":
+        out = {"type": "custom", "name": tool.get("name", "")}
+        if tool.get("description"):
+            out["description"] = tool["description"]
+        if tool.get("format"):
+            out["format"] = tool["format"]
+        return out
+    if is_client_tool_search(tool):
+        out = {"type": "function", "name": "tool_search"}
+        if tool.get("description"):
+            out["description"] = tool["description"]
+        out["parameters"] = tool.get("parameters") or TOOL_SEARCH_PARAMETERS
+        return out
+    if kind in TYPED_CLIENT_TOOLS:
+        return {"type": "function", "name": kind, "parameters": TYPED_CLIENT_TOOLS[kind][2]}
+    if kind != "function":
+        return None
     out = {"type": "function", "name": tool.get("name", "")}
     if tool.get("description"):
         out["description"] = tool["description"]
@@ -68,13 +109,26 @@ def canonical_tool(tool: dict) -> dict:
 
 
 def sorted_tools(tools: Sequence[dict]) -> list[dict]:
-    canon = [canonical_tool(t) for t in tools if t.get("type", "function") == "function"]
+    canon = [c for c in (canonical_tool(t) for t in tools) if c is not None]
     # The whole serialization breaks ties, so even two tools of one name have one order.
     return sorted(canon, key=lambda t: (t["name"], canonical_json(t)))
 
 
 def tools_block(tools: Sequence[dict]) -> str:
     return "\n".join(canonical_json(tool) for tool in sorted_tools(tools))
+
+
+def tools_section(tools: Sequence[dict]) -> str:
+    """The tools block with its instructions, as the system turn holds it."""
+    canon = sorted_tools(tools)
+    kinds = {tool["type"] for tool in canon}
+    nested = {t["type"] for tool in canon for t in tool.get("tools", ())}
+    text = TOOLS_PREAMBLE + "\n".join(canonical_json(t) for t in canon) + TOOLS_POSTAMBLE
+    if "namespace" in kinds:
+        text += NAMESPACE_NOTE
+    if "custom" in kinds | nested:
+        text += CUSTOM_NOTE
+    return text
 
 
 class PromptRenderer:
@@ -102,10 +156,10 @@ class PromptRenderer:
         return ([system] if system else []) + self.item_messages(items)
 
     def system_message(self, instructions: str | None, tools: Sequence[dict]) -> dict | None:
-        if self.native_tools or not tools:
+        if self.native_tools or not sorted_tools(tools):
             return {"role": "system", "content": instructions} if instructions else None
         parts = [instructions] if instructions else []
-        parts.append(TOOLS_PREAMBLE + tools_block(tools) + TOOLS_POSTAMBLE)
+        parts.append(tools_section(tools))
         return {"role": "system", "content": "\n\n".join(parts)}
 
     def item_messages(self, items: Sequence[dict]) -> list[dict]:
@@ -123,17 +177,21 @@ class PromptRenderer:
                 role = item.get("role", "user")
                 role = "system" if role == "developer" else role
                 messages.append({"role": role, "content": message_text(item), "_calls": []})
-            elif kind == FUNCTION_CALL:
+            elif kind in CALL_TYPES:
                 if not messages or messages[-1]["role"] != "assistant":
                     messages.append({"role": "assistant", "content": "", "_calls": []})
-                messages[-1]["_calls"].append((item.get("name", ""), item.get("arguments", "")))
-            elif kind == FUNCTION_CALL_OUTPUT:
-                messages.append({"role": "tool", "content": output_text(item), "_calls": []})
+                messages[-1]["_calls"].append(call_parts(item))
+            elif kind in OUTPUT_TYPES:
+                text = output_item_text(item)
+                messages.append({"role": "tool", "content": text, "_calls": []})
                 messages[-1]["_response"] = True
             elif kind == TOOL_SEARCH_OUTPUT:
                 block = "<tools>\n" + tools_block(item.get("tools") or ()) + "\n</tools>"
                 messages.append({"role": "tool", "content": block, "_calls": []})
-            # reasoning items carry nothing this server's models read
+            elif kind == ADDITIONAL_TOOLS and sorted_tools(item.get("tools") or ()):
+                section = tools_section(item.get("tools") or ())
+                messages.append({"role": "system", "content": section, "_calls": []})
+            # reasoning items, and the calls of hosted tools, carry nothing the model reads
             if len(ends) < len(messages):
                 ends.append(index + 1)
             elif ends:
@@ -146,15 +204,15 @@ class PromptRenderer:
         if self.native_tools:
             if calls:
                 message["tool_calls"] = [
-                    {"type": "function", "function": {"name": n, "arguments": _json_or_str(a)}}
-                    for n, a in calls
+                    {"type": "function", "function": {"name": n, "arguments": _arguments(k, v)}}
+                    for n, k, v in calls
                 ]
             return message
         if wrap_response:
             message["content"] = f"<tool_response>\n{message['content']}\n</tool_response>"
         if calls:
             text = message["content"]
-            blocks = [render_tool_call(name, args) for name, args in calls]
+            blocks = [render_tool_call(name, value, key) for name, key, value in calls]
             message["content"] = "\n".join(([text] if text else []) + blocks)
         return message
 
@@ -192,8 +250,13 @@ class PromptRenderer:
         return extended[len(base) :]
 
 
-def _json_or_str(arguments: str):
+def _arguments(key: str, value: object):
+    """A call's arguments as a native template takes them: an object where possible."""
+    if key == "input":
+        return {"input": value}
+    if not isinstance(value, str):
+        return value
     try:
-        return json.loads(arguments)
+        return json.loads(value)
     except (TypeError, ValueError):
-        return arguments
+        return value

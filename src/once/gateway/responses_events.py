@@ -17,6 +17,8 @@ from once.gateway.output import (
 )
 from once.protocol.responses import ResponsesRequest
 
+IGNORED_TOOLS_FIELD = "once_ignored_tools"
+
 
 def response_usage(usage: Usage) -> dict:
     # The SDK requires `cache_write_tokens`: the prompt tokens the engine computed, whose
@@ -61,6 +63,9 @@ class ResponsesEncoder:
             "usage": None,
             "metadata": request.metadata or {},
         }
+        if request.ignored_tools:
+            # Hosted tools with no backend here: not in the prompt (tool_items.py).
+            self.response[IGNORED_TOOLS_FIELD] = list(request.ignored_tools)
 
     def snapshot(self) -> dict:
         # Events carry the response as it was then, not a reference that later changes.
@@ -151,6 +156,14 @@ class ResponsesEncoder:
     def _function_call(self, event: FunctionCallEmitted) -> list[dict]:
         item, index = event.item, event.output_index
         self.response["output"].append(item)
+        if item["type"] == "custom_tool_call":
+            return self._custom_tool_call(item, index)
+        if item["type"] != "function_call":  # other calls: the item, added then done
+            added = {**item, "status": "in_progress"}
+            return [
+                self._event("response.output_item.added", output_index=index, item=added),
+                self._event("response.output_item.done", output_index=index, item=dict(item)),
+            ]
         added = {**item, "status": "in_progress", "arguments": ""}
         # The call is parsed whole (see toolcalls.py), so its arguments arrive in one delta.
         return [
@@ -167,6 +180,25 @@ class ResponsesEncoder:
                 output_index=index,
                 name=item["name"],
                 arguments=item["arguments"],
+            ),
+            self._event("response.output_item.done", output_index=index, item=dict(item)),
+        ]
+
+    def _custom_tool_call(self, item: dict, index: int) -> list[dict]:
+        added = {**item, "status": "in_progress", "input": ""}
+        return [
+            self._event("response.output_item.added", output_index=index, item=added),
+            self._event(
+                "response.custom_tool_call_input.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=item["input"],
+            ),
+            self._event(
+                "response.custom_tool_call_input.done",
+                item_id=item["id"],
+                output_index=index,
+                input=item["input"],
             ),
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]

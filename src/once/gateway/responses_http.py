@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from once.gateway.capacity import LOAD_REPORT_HEADER
-from once.gateway.http_io import decode_json, error_response, read_body
+from once.gateway.http_io import IGNORED_TOOLS_HEADER, decode_json, error_response, read_body
 from once.gateway.input_items import chain_items, page, parse_query
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
@@ -56,6 +56,8 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
         prepared = await pipeline.prepare(admission)
         encoder = responses_encoder(prepared)
         headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
+        if admission.request.ignored_tools:
+            headers[IGNORED_TOOLS_HEADER] = ", ".join(admission.request.ignored_tools)
         if admission.request.stream:
             return StreamingResponse(
                 pipeline.stream(prepared, encoder, TRANSPORT, sse_chunk),

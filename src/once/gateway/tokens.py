@@ -23,13 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from once.gateway.render import NotIncrementalError, PromptRenderer, sorted_tools
-from once.protocol.responses import (
-    FUNCTION_CALL,
-    FUNCTION_CALL_OUTPUT,
-    MESSAGE,
-    TOOL_SEARCH_OUTPUT,
-    canonical_json,
-)
+from once.gateway.tool_items import CALL_TYPES
+from once.protocol.responses import REASONING, canonical_json
+
+# Items the prompt shows nothing of (before the first that says what a turn is).
+SKIPPED_ITEM_TYPES = (REASONING,)
 
 FULL = "full"
 INCREMENTAL = "incremental"
@@ -144,10 +142,10 @@ class PromptBuilder:
 
 def _opens_with_call(items: Sequence[dict]) -> bool:
     for item in items:
-        if item["type"] in (MESSAGE, FUNCTION_CALL_OUTPUT, TOOL_SEARCH_OUTPUT):
-            return False
-        if item["type"] == FUNCTION_CALL:
+        if item["type"] in CALL_TYPES:
             return True
+        if item["type"] not in SKIPPED_ITEM_TYPES:
+            return False
     return False
 
 

@@ -44,6 +44,7 @@ class ToolCallParsed:
     index: int
     name: str
     arguments: str  # compact JSON when the model wrote an object; its string as written
+    input: str | None = None  # a free-form tool's text input (`{"name", "input"}`)
 
 
 @dataclass
@@ -134,10 +135,10 @@ class ToolCallStreamParser:
         index = self._num_blocks
         self._num_blocks += 1
         try:
-            name, arguments = _parse_call(body)
+            name, arguments, text_input = _parse_call(body)
         except ValueError as error:
             return ToolCallMalformed(index, raw, str(error))
-        return ToolCallParsed(index, name, arguments)
+        return ToolCallParsed(index, name, arguments, text_input)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
@@ -148,7 +149,7 @@ def _partial_tag_length(text: str, tag: str) -> int:
     return 0
 
 
-def _parse_call(body: str) -> tuple[str, str]:
+def _parse_call(body: str) -> tuple[str, str, str | None]:
     try:
         call = json.loads(body)
     except json.JSONDecodeError as error:
@@ -159,12 +160,14 @@ def _parse_call(body: str) -> tuple[str, str]:
     if not isinstance(name, str) or not name:
         raise ValueError('no "name" string')
     arguments = call.get("arguments", call.get("parameters"))
+    if arguments is None and isinstance(call.get("input"), str):
+        return name, "", call["input"]
     if arguments is None:
-        return name, "{}"
+        return name, "{}", None
     if isinstance(arguments, str):
-        return name, arguments
+        return name, arguments, None
     if isinstance(arguments, dict):
-        return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+        return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":")), None
     raise ValueError(f'"arguments" must be an object or a string, got {type(arguments).__name__}')
 
 
@@ -188,17 +191,20 @@ def parse_tool_calls(
     return "".join(pieces).strip(), calls
 
 
-def render_tool_call(name: str, arguments: str) -> str:
-    """The canonical block for a function_call item, as the prompt renderer writes it.
+def render_tool_call(name: str, arguments: object, key: str = "arguments") -> str:
+    """The canonical block for a call item, as the prompt renderer writes it.
 
     Arguments that are a JSON object are embedded as that object (so any spacing the
     client used is normalized); anything else is embedded as a JSON string, which
-    `parse_tool_calls` gives back unchanged, so rendering never fails on odd history.
+    `parse_tool_calls` gives back unchanged, so rendering never fails on odd history. A
+    free-form tool's `input` is always a JSON string.
     """
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
-        parsed = None
-    value = parsed if isinstance(parsed, dict) else arguments
-    call = json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+    value = arguments
+    if key == "arguments" and isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except json.JSONDecodeError:
+            parsed = None
+        value = parsed if isinstance(parsed, dict) else arguments
+    call = json.dumps({"name": name, key: value}, ensure_ascii=False)
     return f"{OPEN_TAG}\n{call}\n{CLOSE_TAG}"

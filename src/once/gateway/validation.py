@@ -12,14 +12,9 @@ import io
 
 from once.gateway.aliases import ModelAliases
 from once.gateway.model import ModelRuntime
+from once.gateway.tool_items import OUTPUT_TYPES, output_item_text
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
-from once.protocol.responses import (
-    FUNCTION_CALL_OUTPUT,
-    MESSAGE,
-    ResponsesRequest,
-    message_text,
-    output_text,
-)
+from once.protocol.responses import MESSAGE, ResponsesRequest, message_text
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
@@ -36,12 +31,6 @@ def check_semantics(
             f"(available: {', '.join(sorted(models))})",
             param="model",
         )
-    for i, tool in enumerate(request.tools):
-        if tool.get("type") != "function":
-            raise InvalidRequestError(
-                f"tool type {tool.get('type')!r} is not supported; only function tools are",
-                param=f"tools[{i}].type",
-            )
     choice = request.tool_choice
     if choice not in ("auto", "none"):
         raise InvalidRequestError(
@@ -117,6 +106,6 @@ def safety_texts(items) -> list[str]:
     for item in items:
         if item["type"] == MESSAGE:
             texts.append(message_text(item))
-        elif item["type"] == FUNCTION_CALL_OUTPUT:
-            texts.append(output_text(item))
+        elif item["type"] in OUTPUT_TYPES:
+            texts.append(output_item_text(item))
     return [t for t in texts if t]

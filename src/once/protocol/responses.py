@@ -13,15 +13,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
-from once.protocol.schema import validate
+from once.protocol.schema import types_by_name, validate
 
-# Item types the renderer understands; any other valid SDK item is rejected semantically.
+# Item types the renderer reads; every other item type the SDK defines is accepted and
+# left out of the prompt (the output of a hosted tool this server has no backend for).
 MESSAGE = "message"
 FUNCTION_CALL = "function_call"
 FUNCTION_CALL_OUTPUT = "function_call_output"
+CUSTOM_TOOL_CALL = "custom_tool_call"
+CUSTOM_TOOL_CALL_OUTPUT = "custom_tool_call_output"
+TOOL_SEARCH_CALL = "tool_search_call"
 TOOL_SEARCH_OUTPUT = "tool_search_output"
+ADDITIONAL_TOOLS = "additional_tools"  # tools made available from this point on
 REASONING = "reasoning"  # accepted and skipped: this server's models do not reason in items
-SUPPORTED_ITEM_TYPES = (MESSAGE, FUNCTION_CALL, FUNCTION_CALL_OUTPUT, TOOL_SEARCH_OUTPUT, REASONING)
+CALL_ITEM_TYPES = (FUNCTION_CALL, CUSTOM_TOOL_CALL, TOOL_SEARCH_CALL)
 
 
 @dataclass(frozen=True)
@@ -59,37 +64,35 @@ class ResponsesRequest:
 
 @functools.cache
 def _adapter(name: str):
-    """TypeAdapters over the SDK's own TypedDicts, built once (~0.5 s for the body's)."""
+    """TypeAdapters over the SDK's own TypedDicts, built once (~0.5 s for the body's):
+    the request bodies, and every input item and tool type by its `type`."""
     from openai.types.responses import (
         easy_input_message_param,
-        function_tool_param,
         response_create_params,
-        response_function_tool_call_param,
-        response_input_param,
-        response_reasoning_item_param,
-        response_tool_search_output_item_param_param,
+        response_input_item_param,
         responses_client_event_param,
+        tool_param,
     )
     from pydantic import TypeAdapter
 
-    types = {
+    bodies = {
         "http": response_create_params.ResponseCreateParamsBase,
         "websocket": responses_client_event_param.ResponseCreate,
         MESSAGE: easy_input_message_param.EasyInputMessageParam,
-        FUNCTION_CALL: response_function_tool_call_param.ResponseFunctionToolCallParam,
-        FUNCTION_CALL_OUTPUT: response_input_param.FunctionCallOutput,
-        TOOL_SEARCH_OUTPUT: (
-            response_tool_search_output_item_param_param.ResponseToolSearchOutputItemParamParam
-        ),
-        REASONING: response_reasoning_item_param.ResponseReasoningItemParam,
-        "function": function_tool_param.FunctionToolParam,
     }
-    return TypeAdapter(types[name])
+    if name in bodies:
+        return TypeAdapter(bodies[name])
+    kind, _, type_name = name.partition(":")
+    union = (
+        tool_param.ToolParam if kind == "tool" else response_input_item_param.ResponseInputItemParam
+    )
+    member = types_by_name(union).get(type_name)
+    return None if member is None else TypeAdapter(member)
 
 
 def warm_up() -> None:
     """Build the validators now instead of on the first request."""
-    for name in ("http", "websocket", MESSAGE, FUNCTION_CALL, FUNCTION_CALL_OUTPUT, "function"):
+    for name in ("http", "websocket", MESSAGE, f"item:{FUNCTION_CALL}", "tool:function"):
         _adapter(name)
 
 
@@ -126,12 +129,7 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
     for i, item in enumerate(items):
         _validate_item(item, f"input[{i}]")
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise InvalidRequestError("each tool must be an object", param=f"tools[{i}]")
-        if tool.get("type") == "function":
-            # The API defaults `parameters` and `strict`; the SDK's TypedDict marks them
-            # required because it always sends them.
-            _validate("function", {"parameters": None, "strict": None, **tool}, f"tools[{i}]")
+        validate_tool(tool, f"tools[{i}]")
     text = body.get("text") or {}
     return ResponsesRequest(
         model=str(body["model"]),
@@ -154,10 +152,25 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
     )
 
 
+def validate_tool(tool: Any, param: str) -> None:
+    if not isinstance(tool, dict):
+        raise InvalidRequestError("each tool must be an object", param=param)
+    kind = tool.get("type")
+    adapter = _adapter(f"tool:{kind}") if isinstance(kind, str) else None
+    if adapter is None:
+        raise InvalidRequestError(f"unknown tool type {kind!r}", param=f"{param}.type")
+    if kind == "function":
+        # The API defaults `parameters` and `strict`; the SDK's TypedDict marks them
+        # required because it always sends them.
+        tool = {"parameters": None, "strict": None, **tool}
+    validate(adapter, tool, param)
+
+
 def _validate_item(item: dict, param: str) -> None:
     kind = item["type"]
-    if kind not in SUPPORTED_ITEM_TYPES:
-        raise InvalidRequestError(f"unsupported input item type {kind!r}", param=f"{param}.type")
+    adapter = _adapter(f"item:{kind}") if kind != MESSAGE else None
+    if kind != MESSAGE and adapter is None:
+        raise InvalidRequestError(f"unknown input item type {kind!r}", param=f"{param}.type")
     assistant_parts = item.get("role") == "assistant" and isinstance(item.get("content"), list)
     if kind == MESSAGE and assistant_parts:
         # A client that appends a response's output items sends output_text parts, which
@@ -168,7 +181,7 @@ def _validate_item(item: dict, param: str) -> None:
                     "assistant content parts need a string 'text'", param=f"{param}.content[{j}]"
                 )
         return
-    _validate(kind, item, param)
+    validate(adapter if adapter is not None else _adapter(MESSAGE), item, param)
 
 
 def normalize_input(raw_input: str | list) -> tuple[dict, ...]:

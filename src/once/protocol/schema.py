@@ -5,9 +5,25 @@ is exactly what the SDK sends; the first error becomes an `InvalidRequestError` 
 `param` is the field path an API user understands (`input[2].content[0].text`).
 """
 
+import functools
+import re
+import typing
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
+
+
+@functools.cache
+def types_by_name(union: Any) -> dict[str, Any]:
+    """The members of an SDK union of TypedDicts by the values of their `type` literal
+    (the SDK writes the annotation as a string: "Required[Literal['function']]")."""
+    table: dict[str, Any] = {}
+    for member in typing.get_args(union):
+        annotation = getattr(member, "__annotations__", {}).get("type")
+        text = getattr(annotation, "__forward_arg__", None) or str(annotation)
+        for name in re.findall(r"'([A-Za-z0-9_.-]+)'", text):
+            table.setdefault(name, member)
+    return table
 
 
 def validate(adapter: Any, value: Any, prefix: str = "", *, strict: bool = False) -> None:

@@ -1,0 +1,196 @@
+"""The Responses API's tool kinds as the model sees them, and its calls as items again.
+
+Every tool the model can call is written in the prompt as one JSON definition
+(render.py) and called in one way, a `<tool_call>` block holding `{"name", "arguments"}`,
+or `{"name", "input"}` for a free-form (`custom`) tool. The item a call becomes depends
+on the tool kind the request declared:
+
+    declared tool                  the model calls       item (its output: <item>_output)
+    function                       its name              function_call
+    a function in a namespace      <namespace>.<name>    function_call with `namespace`
+    custom (also in a namespace)   its (dotted) name     custom_tool_call, `input` text
+    tool_search, client execution  tool_search           tool_search_call (tool_search_output)
+    local_shell / shell            local_shell / shell   local_shell_call / shell_call
+    apply_patch                    apply_patch           apply_patch_call
+
+Function names cannot hold a dot (the API allows `[A-Za-z0-9_-]`), so a dotted name is
+always a namespace's. Hosted tools (web search, file search, code interpreter, image
+generation, computer use, remote MCP, programmatic tool calling) have no backend here:
+they are left out of the prompt and reported (`hosted_tool_names`).
+"""
+
+import json
+from collections.abc import Iterable, Sequence
+
+from once.protocol.responses import (
+    ADDITIONAL_TOOLS,
+    CUSTOM_TOOL_CALL,
+    CUSTOM_TOOL_CALL_OUTPUT,
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    TOOL_SEARCH_CALL,
+    TOOL_SEARCH_OUTPUT,
+    output_text,
+)
+
+NAMESPACE_SEPARATOR = "."
+# The typed client tools: the name the model calls, the call's item type, the field that
+# holds what the model wrote, and the parameters shown to it.
+TYPED_CLIENT_TOOLS = {
+    "local_shell": (
+        "local_shell_call",
+        "action",
+        {
+            "type": "object",
+            "properties": {
+                "command": {"type": "array", "items": {"type": "string"}},
+                "working_directory": {"type": "string"},
+                "timeout_ms": {"type": "integer"},
+            },
+            "required": ["command"],
+        },
+    ),
+    "shell": (
+        "shell_call",
+        "action",
+        {
+            "type": "object",
+            "properties": {
+                "commands": {"type": "array", "items": {"type": "string"}},
+                "timeout_ms": {"type": "integer"},
+            },
+            "required": ["commands"],
+        },
+    ),
+    "apply_patch": (
+        "apply_patch_call",
+        "operation",
+        {
+            "type": "object",
+            "properties": {
+                "type": {"enum": ["create_file", "update_file", "delete_file"]},
+                "path": {"type": "string"},
+                "diff": {"type": "string"},
+            },
+            "required": ["type", "path"],
+        },
+    ),
+}
+TYPED_CALL_ITEMS = {item: (name, field) for name, (item, field, _) in TYPED_CLIENT_TOOLS.items()}
+TOOL_SEARCH_PARAMETERS = {
+    "type": "object",
+    "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+    "required": ["query"],
+}
+PROMPT_TOOL_TYPES = ("function", "custom", "namespace", *TYPED_CLIENT_TOOLS)
+CALL_TYPES = (FUNCTION_CALL, CUSTOM_TOOL_CALL, TOOL_SEARCH_CALL, *TYPED_CALL_ITEMS)
+OUTPUT_TYPES = (
+    FUNCTION_CALL_OUTPUT,
+    CUSTOM_TOOL_CALL_OUTPUT,
+    *(item + "_output" for item in TYPED_CALL_ITEMS),
+)
+
+
+def is_client_tool_search(tool: dict) -> bool:
+    return tool.get("type") == "tool_search" and tool.get("execution", "server") == "client"
+
+
+def reaches_prompt(tool: dict) -> bool:
+    return tool.get("type", "function") in PROMPT_TOOL_TYPES or is_client_tool_search(tool)
+
+
+def hosted_tool_names(tools: Iterable[dict]) -> list[str]:
+    return [
+        str(t.get("name") or t.get("server_label") or t["type"])
+        for t in tools
+        if not reaches_prompt(t)
+    ]
+
+
+def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str]:
+    """The kinds of tool a request declares (its `tools` and `additional_tools` items)."""
+    kinds = {_kind(tool) for tool in tools}
+    for item in items:
+        if item.get("type") == ADDITIONAL_TOOLS:
+            kinds.update(_kind(tool) for tool in item.get("tools") or ())
+    return kinds
+
+
+def _kind(tool: dict) -> str:
+    return "tool_search" if is_client_tool_search(tool) else str(tool.get("type", "function"))
+
+
+# -- model calls -> items ----------------------------------------------------------------
+
+
+def call_item(name: str, arguments: str, text_input: str | None, declared: set[str]) -> dict:
+    """The output item of one parsed call (ids and status are the builder's)."""
+    namespace, _, short = name.rpartition(NAMESPACE_SEPARATOR)
+    if text_input is not None and "custom" in declared:
+        item = {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
+        return {**item, "namespace": namespace} if namespace else item
+    if text_input is not None:  # an input where no custom tool was declared: an argument
+        arguments = json.dumps({"input": text_input}, ensure_ascii=False)
+    if not namespace and name in declared:
+        if name == "tool_search":
+            return {
+                "type": TOOL_SEARCH_CALL,
+                "execution": "client",
+                "arguments": _object(arguments),
+            }
+        if name in TYPED_CLIENT_TOOLS:
+            item_type, field, _ = TYPED_CLIENT_TOOLS[name]
+            value = _object(arguments)
+            if name == "local_shell":
+                value = {"type": "exec", "env": {}, **value}
+            return {"type": item_type, field: value}
+    item = {"type": FUNCTION_CALL, "name": short, "arguments": arguments}
+    return {**item, "namespace": namespace} if namespace else item
+
+
+def _object(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"input": arguments}
+    return value if isinstance(value, dict) else {"input": value}
+
+
+# -- items -> what the prompt shows ------------------------------------------------------
+
+
+def call_parts(item: dict) -> tuple[str, str, object]:
+    """A call item as the model wrote it: (name, "arguments" or "input", the value)."""
+    kind = item["type"]
+    name = item.get("name", "")
+    if item.get("namespace"):
+        name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
+    if kind == CUSTOM_TOOL_CALL:
+        return name, "input", item.get("input", "")
+    if kind == TOOL_SEARCH_CALL:
+        return "tool_search", "arguments", item.get("arguments") or {}
+    if kind in TYPED_CALL_ITEMS:
+        tool_name, field = TYPED_CALL_ITEMS[kind]
+        value = dict(item.get(field) or {})
+        if kind == "local_shell_call":
+            value = {k: v for k, v in value.items() if k not in ("type", "env") and v}
+        return tool_name, "arguments", value
+    return name, "arguments", item.get("arguments", "")
+
+
+def output_item_text(item: dict) -> str:
+    """The text of any tool output item, as its `tool` turn shows it."""
+    if item["type"] == "shell_call_output":
+        chunks = item.get("output") or ()
+        return "\n".join(
+            (chunk.get("stdout") or "") + (chunk.get("stderr") or "")
+            for chunk in chunks
+            if isinstance(chunk, dict)
+        )
+    if item["type"] == "apply_patch_call_output":
+        return item.get("output") or item.get("status", "")
+    return output_text(item)
+
+
+def is_tool_listing(item: dict) -> bool:
+    return item.get("type") in (TOOL_SEARCH_OUTPUT, ADDITIONAL_TOOLS)
