@@ -42,6 +42,7 @@ run: model
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 test: model lint
 	$(BIN)/pytest -q

@@ -211,6 +211,7 @@ def cmd_serve(args) -> int:
 
 def cmd_agent(args) -> int:
     import asyncio
+    from collections.abc import Iterable
     from pathlib import Path
 
     from once.agent.session import AgentOptions, run_cli_session
@@ -226,6 +227,7 @@ def cmd_agent(args) -> int:
         max_output_tokens=args.max_output_tokens,
         code_mode=args.code_mode,
     )
+    tasks: Iterable[str]
     if args.task:
         tasks = [args.task]
     else:  # interactive: one task per line, in one session

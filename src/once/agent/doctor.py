@@ -208,10 +208,13 @@ class CacheDoctor:
         new_part = new.parts[k] if k < len(new.parts) else None
         name = differing_part(old_part, new_part)
         old_items, new_items = previous.section("input"), new.section("input")
+        # Every fingerprint starts with params and instructions: both sides have them.
         if name == "params":
+            assert old_part is not None and new_part is not None
             name, detail = _explain_params(json.loads(old_part.text), json.loads(new_part.text))
             cause = MODEL_OR_PARAMS_CHANGED
         elif name == "instructions":
+            assert old_part is not None and new_part is not None
             cause = INSTRUCTIONS_CHANGED
             detail = _explain_instructions(json.loads(old_part.text), json.loads(new_part.text))
         elif name.startswith("tools["):

@@ -203,7 +203,7 @@ def _command_words(command: ts.Node) -> list[str] | None:
         node = child.children[0] if child.type == "command_name" else child
         if node.type not in WORD_NODES:
             return None
-        text = node.text.decode()
+        text = _source_text(node)
         if node.type == "raw_string":
             words.append(text[1:-1])
             continue
@@ -221,10 +221,16 @@ def _command_words(command: ts.Node) -> list[str] | None:
     return words
 
 
+def _source_text(node: ts.Node) -> str:
+    # tree-sitter types `text` as optional: it is None only for a tree parsed without its
+    # source bytes, and every tree here is parsed from the script's bytes.
+    return (node.text or b"").decode()
+
+
 def _command_name(command: ts.Node) -> str:
     for child in command.children:
         if child.type == "command_name":
-            return child.text.decode()
+            return _source_text(child)
     return ""
 
 

@@ -103,7 +103,7 @@ def canonical_tools(tools: Iterable[ToolSpec | dict]) -> list[dict]:
     its "<namespace>__<name>" function name). The dicts returned are fresh copies, so a
     later edit of a spec cannot reach a request already built.
     """
-    keyed: dict[str, tuple[tuple[str, str], dict]] = {}
+    keyed: dict[str | None, tuple[tuple[str, str], dict]] = {}
     for tool in tools:
         if isinstance(tool, ToolSpec):
             sort_key, body = (tool.namespace, tool.name), tool.to_function_tool()
@@ -250,7 +250,10 @@ def differing_part(old: Part | None, new: Part | None) -> str:
     """The name to report at a first difference (either side may have run out of parts)."""
     # Names differ only when a tool was added or removed: tools come before input items.
     if old is None or new is None:
-        return (old or new).name
+        remaining = old or new
+        if remaining is None:
+            raise ValueError("no first difference: both sides ran out of parts")
+        return remaining.name
     return new.name if new.name.startswith("tools[") else old.name
 
 

@@ -61,7 +61,7 @@ def make_transport(options: AgentOptions) -> Transport:
 
 
 def core_tools(options: AgentOptions) -> list[Tool]:
-    tools = [ShellTool(), ApplyPatchTool()]
+    tools: list[Tool] = [ShellTool(), ApplyPatchTool()]
     if options.code_mode:
         tools.append(CodeModeTool([t.spec for t in tools]))
     return tools

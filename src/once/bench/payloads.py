@@ -182,12 +182,15 @@ def session_payload_bytes(session: Session, *, model: str = DEFAULT_MODEL) -> di
     http_bytes = ws_bytes = num_incremental = 0
     reasons: Counter[str] = Counter()
     for position, (request, _) in enumerate(requests):
-        earlier = previous_in_chain.get(position)
-        previous, previous_output = requests[earlier] if earlier is not None else (None, None)
+        previous_position = previous_in_chain.get(position)
+        previous, previous_output = (
+            requests[previous_position] if previous_position is not None else (None, None)
+        )
         reason = full_request_reason(previous, previous_output, request)
         message = request
         if reason is None:
-            response_id = _response_id(session.session_id, earlier)
+            assert previous_position is not None  # a chain's first call is sent in full
+            response_id = _response_id(session.session_id, previous_position)
             message = incremental_request(previous, previous_output, request, response_id)
             num_incremental += 1
         else:

@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TypeGuard
 
 MOONCAKE_BLOCK_SIZE = 512
 MOONCAKE_TRACES = {
@@ -144,7 +145,7 @@ def _trim_fraction(stamp: str) -> str:
     return f"{head}.{fraction[:6]}" if dot else head
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

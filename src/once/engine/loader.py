@@ -146,7 +146,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden, inter = config.hidden_size, config.intermediate_size
     q_dim = config.num_heads * config.head_dim
     kv_dim = config.num_kv_heads * config.head_dim
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (hidden,)

@@ -83,7 +83,7 @@ def _metric_name(key: str) -> str:
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self):
+    def __init__(self) -> None:
         self._stats: dict[str, float] = {}
         self._positions: dict[str, list[float]] = {}
 

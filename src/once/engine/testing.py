@@ -10,7 +10,7 @@ import torch
 
 # Small enough to run a forward pass in a millisecond; big enough for GQA (4 heads share
 # 2 KV heads), 2 layers (cache bugs between layers show) and a vocab that tests can sample.
-TINY_CONFIG = {
+TINY_CONFIG: dict[str, object] = {
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -28,7 +28,7 @@ TINY_CONFIG = {
 # transformers class prefix and what each family adds to the tiny config. Qwen2 needs
 # nothing: its q/k/v carry a bias by definition. Qwen3's head_dim (32) differs from
 # hidden/heads (16), as in real Qwen3.
-ARCHITECTURES = {
+ARCHITECTURES: dict[str, tuple[str, dict[str, object]]] = {
     "llama": ("Llama", {}),
     "mistral": ("Mistral", {"sliding_window": None}),
     "qwen2": ("Qwen2", {}),

@@ -134,7 +134,7 @@ class RoundRobin:
 
     name = "round_robin"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._last_index: int | None = None
 
     def choose(self, request, replicas, rng) -> int:

@@ -45,7 +45,7 @@ import asyncio
 import contextlib
 import random
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from once.protocol.engine import FINISH_ERROR, EngineClient, GenerateRequest, TokenDelta
@@ -80,8 +80,12 @@ class RouterConfig:
 
 
 async def _aclose_quietly(stream: AsyncIterator[TokenDelta]) -> None:
-    with contextlib.suppress(Exception):
-        await stream.aclose()
+    # EngineClient.generate promises an iterator; those that can be closed (async
+    # generators, all of ours) are, which runs their finally blocks.
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 class ReplicaFailure(Exception):
@@ -256,7 +260,7 @@ class Router:
 
     async def _stream_from(
         self, replica: Replica, request: GenerateRequest, hashes: tuple[int, ...]
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """The replica's deltas, with its bookkeeping; a replica fault -> ReplicaFailure."""
         replica.on_dispatch(request, hashes)
         self._where[request.request_id] = replica

@@ -14,6 +14,7 @@ import argparse
 from collections.abc import Sequence
 
 from once.engine.client import RemoteEngineClient
+from once.protocol.engine import EngineClient
 from once.router.openai_replica import OpenAICompletionsClient
 from once.router.policies import POLICIES
 from once.router.replicas import Replica
@@ -69,7 +70,9 @@ def build_router(args: argparse.Namespace) -> Router:
         health_interval_s=args.health_interval,
         seed=args.seed,
     )
-    clients = [(url, RemoteEngineClient(url)) for url in args.engine_url]
+    clients: list[tuple[str, EngineClient]] = [
+        (url, RemoteEngineClient(url)) for url in args.engine_url
+    ]
     clients += [(url, OpenAICompletionsClient(url, args.openai_model)) for url in args.openai_url]
     replicas = [
         Replica(url, client, index=i, block_size=args.block_size, kv_blocks_total=args.kv_blocks)

@@ -21,9 +21,6 @@ from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica
 from once.sim.workload import SimRequest
 
-_ARRIVAL = 0
-_STEP_END = 1
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -60,7 +57,9 @@ class Cluster:
         ]
         self.policy = policy
         self.rng = random.Random(seed)
-        self._events: list[tuple[float, int, int, object]] = []
+        # (time, sequence, payload): a request arriving, or (replica index, version) of a
+        # step ending.
+        self._events: list[tuple[float, int, SimRequest | tuple[int, int]]] = []
         self._sequence = 0
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
@@ -73,13 +72,13 @@ class Cluster:
             replica.cache.policy.prepare(requests)  # only an oracle (Belady) looks
         for request in requests:
             if request.after is None:
-                self._push(request.arrival_s, _ARRIVAL, request)
+                self._push(request.arrival_s, request)
         states: list[RequestState] = []
         decisions: list[Decision] = []
         now = 0.0
         while self._events:
-            now, _, kind, payload = heapq.heappop(self._events)
-            if kind == _ARRIVAL:
+            now, _, payload = heapq.heappop(self._events)
+            if isinstance(payload, SimRequest):
                 state = self._route(payload, now)
                 states.append(state)
                 decisions.append(Decision(state.request.request_id, state.replica, now))
@@ -135,19 +134,19 @@ class Cluster:
         else:
             end_s = replica.cut_span(now)
             if end_s is not None:
-                self._push(end_s, _STEP_END, (replica.index, replica.version))
+                self._push(end_s, (replica.index, replica.version))
         return state
 
     def _start(self, replica: SimReplica, now: float) -> None:
         end_s = replica.start_step(now)
         if end_s is not None:
-            self._push(end_s, _STEP_END, (replica.index, replica.version))
+            self._push(end_s, (replica.index, replica.version))
 
     def _follow(self, state: RequestState, followers: dict, now: float) -> None:
         follower = followers.get(state.request.request_id)
         if follower is not None:
-            self._push(now + follower.think_s, _ARRIVAL, follower)
+            self._push(now + follower.think_s, follower)
 
-    def _push(self, time_s: float, kind: int, payload: object) -> None:
+    def _push(self, time_s: float, payload: SimRequest | tuple[int, int]) -> None:
         self._sequence += 1
-        heapq.heappush(self._events, (time_s, self._sequence, kind, payload))
+        heapq.heappush(self._events, (time_s, self._sequence, payload))

@@ -51,8 +51,8 @@ class LFUDynamicAging(LeafFirstPolicy):
         return (info.score, info.last_access_s)
 
     def evict(self, now: float) -> int:
-        victim = super().evict(now)
-        self.inflation = max(self.inflation, self.last_victim.score)
+        victim, info = self._evict_leaf(now)
+        self.inflation = max(self.inflation, info.score)
         return victim
 
 
@@ -107,8 +107,7 @@ class ReuseDensity(LeafFirstPolicy):
         return (self.density[self.block_class(info)][age_bucket(age_s)], -age_s)
 
     def evict(self, now: float) -> int:
-        victim = super().evict(now)
-        info = self.last_victim
+        victim, info = self._evict_leaf(now)
         self.evictions[self.block_class(info)][age_bucket(now - info.released_s)] += 1
         self._count_event()
         return victim
@@ -138,7 +137,7 @@ class FutureOracle:
     """The trace's future, shared by every replica of a cluster: for each block, the arrival
     times of the requests that contain it, and how many of those were admitted so far."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.arrivals: dict[int, list[float]] = {}
         self.num_admitted: dict[int, int] = {}
         self.prepared_for: object = None

@@ -22,6 +22,7 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 
 class EvictionPolicy:
@@ -74,7 +75,7 @@ class LRU(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.order: OrderedDict[int, None] = OrderedDict()  # oldest first
 
     def released(self, block_hash: int, now: float) -> None:
@@ -125,7 +126,6 @@ class LeafFirstPolicy(EvictionPolicy):
         self.leaves: list[int] = []
         self.leaf_index: dict[int, int] = {}
         self.num_evictable = 0
-        self.last_victim: BlockInfo | None = None
 
     def priority(self, block_hash: int, now: float) -> tuple:
         raise NotImplementedError
@@ -134,8 +134,7 @@ class LeafFirstPolicy(EvictionPolicy):
         self, block_hash: int, parent: int | None, depth: int, is_prompt_tail: bool, now: float
     ) -> None:
         self.blocks[block_hash] = BlockInfo(parent, depth, is_prompt_tail, last_access_s=now)
-        parent_info = self.blocks.get(parent) if parent is not None else None
-        if parent_info is not None:
+        if parent is not None and (parent_info := self.blocks.get(parent)) is not None:
             parent_info.num_children += 1
             self._drop_leaf(parent)
 
@@ -158,6 +157,10 @@ class LeafFirstPolicy(EvictionPolicy):
         self._drop_leaf(block_hash)
 
     def evict(self, now: float) -> int:
+        return self._evict_leaf(now)[0]
+
+    def _evict_leaf(self, now: float) -> tuple[int, BlockInfo]:
+        # `evict`, with the victim's info for the policies that learn from their victims.
         leaves = self.leaves
         if self.sample_size is None or len(leaves) <= self.sample_size:
             candidates = leaves
@@ -166,20 +169,18 @@ class LeafFirstPolicy(EvictionPolicy):
         victim = min(candidates, key=lambda block_hash: self.priority(block_hash, now))
         self._drop_leaf(victim)
         info = self.blocks.pop(victim)
-        self.last_victim = info
         self.num_evictable -= 1
-        parent_info = self.blocks.get(info.parent) if info.parent is not None else None
-        if parent_info is not None:
+        if info.parent is not None and (parent_info := self.blocks.get(info.parent)) is not None:
             parent_info.num_children -= 1
             if parent_info.num_children == 0 and parent_info.evictable:
                 self._add_leaf(info.parent)
-        return victim
+        return victim, info
 
     def __len__(self) -> int:
         return self.num_evictable
 
     def __contains__(self, block_hash: object) -> bool:
-        info = self.blocks.get(block_hash)  # type: ignore[arg-type]
+        info = self.blocks.get(cast(int, block_hash))  # any hashable may be looked up
         return info is not None and info.evictable
 
     def __iter__(self) -> Iterator[int]:

@@ -31,18 +31,19 @@ def summarize(
     served = [s for s in states if not s.rejected and s.finish_s is not None]
     num_prompt = sum(s.request.num_prompt_tokens for s in served)
     num_cached = sum(s.num_cached_tokens for s in served)
-    ttfts = [s.first_token_s - s.arrival_s for s in served]
-    tpots = [
-        (s.finish_s - s.first_token_s) / (s.request.num_output_tokens - 1)
-        for s in served
-        if s.request.num_output_tokens > 1
-    ]
+    ttfts: list[float] = []
+    tpots: list[float] = []  # of the requests with more than one output token
     good = 0
     for state in served:
-        ttft_ok = state.first_token_s - state.arrival_s <= ttft_slo_s
+        first_token_s, finish_s = state.first_token_s, state.finish_s
+        assert first_token_s is not None and finish_s is not None  # admitted and finished
+        ttft = first_token_s - state.arrival_s
         tokens = state.request.num_output_tokens
-        tpot = (state.finish_s - state.first_token_s) / (tokens - 1) if tokens > 1 else 0.0
-        good += ttft_ok and tpot <= tpot_slo_s
+        tpot = (finish_s - first_token_s) / (tokens - 1) if tokens > 1 else 0.0
+        ttfts.append(ttft)
+        if tokens > 1:
+            tpots.append(tpot)
+        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
     first_arrival = min((s.arrival_s for s in states), default=0.0)
     duration_s = max(result.end_s - first_arrival, 1e-9)
     busy = [replica.busy_s for replica in result.replicas]

@@ -28,10 +28,17 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import cast
 
-from py_mini_racer import JSEvalException, JSOOMException, JSParseException, MiniRacer
+from py_mini_racer import (
+    JSEvalException,
+    JSFunction,
+    JSOOMException,
+    JSParseException,
+    MiniRacer,
+)
 
-from once.agent.tools.base import ToolCallRecord, ToolContext, ToolResult, ToolSpec
+from once.agent.tools.base import ToolCaller, ToolCallRecord, ToolContext, ToolResult, ToolSpec
 from once.agent.tools.code_mode_description import (
     CODE_TOOL_NAME,
     CodeModeLimits,
@@ -105,7 +112,7 @@ class CodeModeTool:
         # Nested calls name their program as parent: the model's call id when the loop puts
         # one in the context, else an id of our own, also returned in the metadata.
         program_id = getattr(ctx, "call_id", None) or f"code_{uuid.uuid4().hex[:12]}"
-        program = _Program(ctx, program_id, self.limits, self.spec.function_name)
+        program = _Program(ctx, ctx.registry, program_id, self.limits, self.spec.function_name)
         start = time.perf_counter()
         await program.run(code)
         output, truncated = truncate_head_tail(
@@ -128,14 +135,20 @@ class _OutOfMemory(Exception):
 class _Program:
     """One run of one program: a fresh isolate, the bridge to the registry, the limits."""
 
-    def __init__(self, ctx: ToolContext, program_id: str, limits: CodeModeLimits, own_name: str):
+    def __init__(
+        self,
+        ctx: ToolContext,
+        registry: ToolCaller,
+        program_id: str,
+        limits: CodeModeLimits,
+        own_name: str,
+    ):
         self.ctx = ctx
+        self.registry = registry
         self.program_id = program_id
         self.limits = limits
         self.own_name = own_name  # a program must not start programs
-        self.tool_names = [
-            s.function_name for s in ctx.registry.specs() if s.function_name != own_name
-        ]
+        self.tool_names = [s.function_name for s in registry.specs() if s.function_name != own_name]
         self.printed: list[str] = []
         self.result: str | None = None
         self.error: str | None = None
@@ -181,8 +194,10 @@ class _Program:
     async def _run_in(self, racer: MiniRacer, code: str) -> None:
         # mini-racer's one-way notification is private API (mini-racer 0.14): see the
         # module docstring for why the public wrap_py_function cannot be used.
-        with racer._ctx._register_js_notification(lambda _args: self._wake.set()) as notify:
-            install = await racer.eval_cancelable(_PRELUDE)
+        context = racer._ctx
+        assert context is not None  # None only once the racer is closed
+        with context._register_js_notification(lambda _args: self._wake.set()) as notify:
+            install = cast(JSFunction, await racer.eval_cancelable(_PRELUDE))  # the installer
             await install.cancelable()(notify, json.dumps(self.tool_names))
             try:
                 # On the prelude's line so that the program's line numbers are its own.
@@ -197,7 +212,8 @@ class _Program:
                 return
             while not self.finished:
                 await self._wait_for_wake(racer)
-                for message in json.loads(await racer.eval_cancelable(f"{_HOST}.drain()")):
+                drained = cast(str, await racer.eval_cancelable(f"{_HOST}.drain()"))  # JSON
+                for message in json.loads(drained):
                     await self._handle(racer, message)
             # A call the program started but did not await still completes, like pending
             # I/O in Node; timers still pending are dropped.
@@ -250,7 +266,7 @@ class _Program:
     async def _nested_call(self, racer: MiniRacer, call_id: int, name: str, args_json: str):
         start = time.perf_counter()
         try:
-            result = await self.ctx.registry.call(name, args_json, self.ctx, parent=self.program_id)
+            result = await self.registry.call(name, args_json, self.ctx, parent=self.program_id)
         except asyncio.CancelledError:
             # The registry records calls that end; one cut off by the program's end or its
             # limits is recorded here, so the transcript still shows every call.

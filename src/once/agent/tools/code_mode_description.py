@@ -77,7 +77,7 @@ def _summary(description: str) -> str:
     return first
 
 
-def _type_of(schema, depth: int = 0) -> str:
+def _type_of(schema: object, depth: int = 0) -> str:
     """A TypeScript-like type for a JSON schema, compact: nested objects past depth 2 are
     `object`, long enums end in `...`."""
     if not isinstance(schema, dict):
@@ -93,7 +93,8 @@ def _type_of(schema, depth: int = 0) -> str:
             return "|".join(options) or "any"
     kind = schema.get("type")
     if isinstance(kind, list):
-        return "|".join(_SCALARS.get(k, k) for k in kind) or "any"
+        # A type list of non-strings is malformed: those entries are skipped, not joined.
+        return "|".join(_SCALARS.get(k, k) for k in kind if isinstance(k, str)) or "any"
     if kind == "array":
         item = _type_of(schema.get("items", {}), depth + 1)
         return f"({item})[]" if "|" in item else f"{item}[]"
@@ -112,4 +113,4 @@ def _type_of(schema, depth: int = 0) -> str:
         return str(schema["$ref"]).rsplit("/", 1)[-1]
     if kind == "null":
         return "null"
-    return _SCALARS.get(kind, "any")
+    return _SCALARS.get(kind, "any") if isinstance(kind, str) else "any"

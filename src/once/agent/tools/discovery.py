@@ -107,7 +107,7 @@ def deferred_prompt_fraction(
     return plan.tokens / plan.inline_tokens
 
 
-def tool_search_output_item(call_id: str, tools: Sequence[dict]) -> dict:
+def tool_search_output_item(call_id: str | None, tools: Sequence[dict]) -> dict:
     return {
         "type": TOOL_SEARCH_OUTPUT,
         "call_id": call_id,
@@ -194,10 +194,11 @@ class DeferredTools:
         """Definitions loaded so far (compaction carries them into the new chain)."""
         return list(self.search_tool.loaded.values())
 
-    def output_item(self, call_id: str, result: ToolResult) -> dict:
+    def output_item(self, call_id: str | None, result: ToolResult) -> dict:
         """The item that answers a `tool_search` call: `tool_search_output` with the
         loaded definitions, or a `function_call_output` when the model must read text
-        (no match, unknown names, bad arguments, nothing new)."""
+        (no match, unknown names, bad arguments, nothing new). The call id is echoed as the
+        model sent it (None if it sent none)."""
         if result.is_error or not result.metadata.get("tools"):
             return {"type": FUNCTION_CALL_OUTPUT, "call_id": call_id, "output": result.output}
         return tool_search_output_item(call_id, result.metadata["tools"])

@@ -52,6 +52,7 @@ class McpServerConfig:
     def client(self) -> Client:
         if self.url is not None:
             return Client(self.url)
+        assert self.command is not None  # __post_init__: exactly one of command and url
         params = StdioServerParameters(
             command=self.command, args=list(self.args), env=self.env, cwd=self.cwd
         )

@@ -259,7 +259,7 @@ class PatchPlan:
     def write(self) -> None:
         # Everything was validated; an OS error here (disk full, permissions) restores the
         # files written so far, so the patch is still all or nothing.
-        done = []
+        done: list[Path] = []
         for path, content in self.contents.items():
             self.originals.setdefault(path, path.read_bytes() if path.is_file() else None)
             try:

@@ -10,6 +10,7 @@ call is appended to the transcript.
 
 import json
 import time
+from collections.abc import Iterable
 
 import jsonschema
 
@@ -17,7 +18,7 @@ from once.agent.tools.base import Tool, ToolCallRecord, ToolContext, ToolResult,
 
 
 class ToolRegistry:
-    def __init__(self, tools: list[Tool] | None = None):
+    def __init__(self, tools: Iterable[Tool] | None = None):
         self._tools: dict[str, Tool] = {}
         for tool in tools or ():
             self.register(tool)
@@ -54,9 +55,8 @@ class ToolRegistry:
             known = ", ".join(sorted(self._tools)) or "none"
             result = ToolResult(f"unknown tool {function_name!r}; known tools: {known}", True)
         else:
-            args, result = _parse_arguments(arguments, tool.spec)
-            if result is None:
-                result = await self._authorized_run(tool, args, ctx)
+            args, refusal = _parse_arguments(arguments, tool.spec)
+            result = refusal if refusal is not None else await self._authorized_run(tool, args, ctx)
         ctx.transcript.append(
             ToolCallRecord(function_name, args, result, time.perf_counter() - start, parent)
         )

@@ -78,6 +78,8 @@ class Sandbox:
             raise ValueError("empty command")
         if not self.enforced:
             return list(argv)
+        if self.bwrap is None:  # enforced only after a probe of a bwrap that was found
+            raise RuntimeError("sandbox mode is bubblewrap but no bwrap binary is set")
         roots = [_writable_root(workspace), *(_writable_root(r) for r in writable_roots)]
         chdir = Path(workdir).resolve() if workdir is not None else roots[0]
         return [

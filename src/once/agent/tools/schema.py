@@ -34,15 +34,15 @@ TokenCounter = Callable[[str], int]
 
 # `$schema` goes only when it names 2020-12, the default: another draft reads the rest
 # differently (draft-07's tuple `items` is invalid under 2020-12).
-_ANNOTATIONS = ("title", "examples", "$comment", "readOnly", "writeOnly")
+_ANNOTATIONS: tuple[str, ...] = ("title", "examples", "$comment", "readOnly", "writeOnly")
 _ANNOTATIONS += ("deprecated", "markdownDescription")
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-_BOUNDS += ("minLength", "maxLength", "pattern", "format", "minItems", "maxItems")
+_BOUNDS: tuple[str, ...] = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BOUNDS += ("multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems")
 _BOUNDS += ("uniqueItems", "minProperties", "maxProperties", "default", "additionalProperties")
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 _LONG_ENUM = 8
 # Keywords whose value is one subschema, a list of them, or a name -> subschema map.
-_ONE = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
+_ONE: tuple[str, ...] = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
 _ONE += ("propertyNames", "unevaluatedItems", "unevaluatedProperties")
 _LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")

@@ -202,8 +202,8 @@ class ToolSearchIndex:
                 continue  # a plain word ("fetch", "search") is text, not a name
             for i in self._by_bare.get(word.lower(), ()):
                 tiers[i] = 2
-            if (i := self._by_qualified.get(word.lower())) is not None:
-                tiers[i] = 2
+            if (qualified := self._by_qualified.get(word.lower())) is not None:
+                tiers[qualified] = 2
         if len(key) >= 3 and not any(c.isspace() for c in key):
             for i, spec in enumerate(self.specs):  # tier 1: a prefix of a name
                 names = (spec.display_name.lower(), spec.function_name.lower(), spec.name.lower())

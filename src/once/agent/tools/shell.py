@@ -175,7 +175,7 @@ async def run_command(
         _kill_group(proc.pid)  # leftovers at a normal exit; everything at a timeout or cancel
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
-        await proc.wait()
+        code = await proc.wait()
         if reader is not None:
             try:
                 await asyncio.wait_for(reader, DRAIN_GRACE_S)
@@ -186,7 +186,6 @@ async def run_command(
         else:
             pipe.close()
     output, num_cut = buffer.render()
-    code = proc.returncode
     exit_code = TIMEOUT_EXIT_CODE if timed_out else (128 - code if code < 0 else code)
     wall_s = time.perf_counter() - start
     return CommandRun(exit_code, output, timed_out, wall_s, buffer.num_bytes, num_cut, timeout_s)

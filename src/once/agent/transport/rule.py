@@ -51,6 +51,7 @@ def incremental_request(
     """What to send: the chain link and the new items, or the full request."""
     if full_request_reason(previous, previous_output, request) is not None:
         return request
+    assert previous is not None  # a first call (no previous request) is always sent in full
     num_kept = len(previous["input"]) + len(previous_output or [])
     return {"previous_response_id": previous_response_id, "input": request["input"][num_kept:]}
 

@@ -19,6 +19,10 @@ partially answered request; this class never enables that and decides itself.
 import time
 
 from openai import AsyncOpenAI
+from openai.resources.responses.responses import (
+    AsyncResponsesConnection,
+    AsyncResponsesConnectionManager,
+)
 
 from once.agent.transport.base import EventCallback, TransportError, TransportStats
 from once.agent.transport.http import TERMINAL_EVENTS, stream_over_http
@@ -39,8 +43,8 @@ class WebSocketTransport:
         self.reconnect_after_s = reconnect_after_s
         self.http_fallback = http_fallback
         self.stats = TransportStats()
-        self._manager = None
-        self._connection = None
+        self._manager: AsyncResponsesConnectionManager | None = None
+        self._connection: AsyncResponsesConnection | None = None
         self._opened_at = 0.0
         self._previous: dict | None = None
         self._previous_output: list[dict] | None = None
@@ -73,10 +77,10 @@ class WebSocketTransport:
     async def _over_websocket(
         self, payload: dict, request: dict, on_event: EventCallback | None
     ) -> dict:
-        await self._ensure_connection()
+        connection = await self._ensure_connection()
         self._count(payload)
         try:
-            return await self._exchange(payload, on_event)
+            return await self._exchange(connection, payload, on_event)
         except TransportError as e:
             if e.code != PREVIOUS_NOT_FOUND or payload is request:
                 raise
@@ -84,14 +88,16 @@ class WebSocketTransport:
         # store=false): the full input, on the same connection.
         self.stats.resends += 1
         self._count(request)
-        return await self._exchange(request, on_event)
+        return await self._exchange(connection, request, on_event)
 
-    async def _exchange(self, payload: dict, on_event: EventCallback | None) -> dict:
+    async def _exchange(
+        self, connection: AsyncResponsesConnection, payload: dict, on_event: EventCallback | None
+    ) -> dict:
         events = 0
         try:
-            await self._connection.send({"type": "response.create", **payload})
+            await connection.send({"type": "response.create", **payload})
             while True:
-                event = await self._connection.recv()
+                event = await connection.recv()
                 events += 1
                 data = event.model_dump(mode="json", exclude_none=True)
                 if data["type"] == "error":
@@ -112,19 +118,20 @@ class WebSocketTransport:
     def _count(self, payload: dict) -> None:
         self.stats.count_sent({"type": "response.create", **payload})
 
-    async def _ensure_connection(self) -> None:
+    async def _ensure_connection(self) -> AsyncResponsesConnection:
         too_old = time.monotonic() - self._opened_at > self.reconnect_after_s
         if self._connection is not None and too_old:
             self.stats.reconnects += 1
             await self._drop_connection()
         if self._connection is None:
-            self._manager = self.client.responses.connect()
+            manager = self._manager = self.client.responses.connect()
             try:
-                self._connection = await self._manager.__aenter__()
+                self._connection = await manager.__aenter__()
             except Exception as e:  # noqa: BLE001 - refused, TLS, handshake
                 self._manager = None
                 raise TransportError(f"cannot open the WebSocket: {e}", None, 0) from e
             self._opened_at = time.monotonic()
+        return self._connection
 
     async def _drop_connection(self) -> None:
         manager, self._manager, self._connection = self._manager, None, None

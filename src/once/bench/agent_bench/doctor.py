@@ -64,7 +64,9 @@ def run(root: str | Path | None = None, *, max_sessions: int | None = None) -> d
 
 def cache_hits(sessions: list[Session]) -> dict:
     """Expected (reusable prefix bytes) vs actual (cached tokens) hit, over recorded usage."""
-    expected, actual, num_misses = [], [], 0
+    expected: list[float] = []
+    actual: list[float] = []
+    num_misses = 0
     for session in sessions:
         doctor = CacheDoctor()
         for call, (request, output) in zip(session.calls, session_requests(session), strict=True):
@@ -72,9 +74,10 @@ def cache_hits(sessions: list[Session]) -> dict:
             doctor.record_output(output)
             if call.usage:
                 doctor.record_usage(call.usage)
-        measured = [c for c in doctor.calls if c.actual_hit is not None]
-        expected += [c.expected_hit for c in measured]
-        actual += [c.actual_hit for c in measured]
+        for c in doctor.calls:
+            if c.actual_hit is not None:
+                expected.append(c.expected_hit)
+                actual.append(c.actual_hit)
         num_misses += len(doctor.unexplained_misses())
     return {
         "sessions": len(sessions),
@@ -258,7 +261,7 @@ def _sessions(root, source: str, limit: int | None) -> list[Session]:
 
 
 def _total(per_session: list[dict]) -> dict:
-    keys = ("sessions", "calls", "real_breaks", "reported_breaks", "missed")
+    keys: tuple[str, ...] = ("sessions", "calls", "real_breaks", "reported_breaks", "missed")
     keys += ("wrong_cause_or_item", "spurious", "unexplained")
     return {key: sum(counts[key] for counts in per_session) for key in keys}
 

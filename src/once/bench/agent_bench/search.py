@@ -27,7 +27,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +121,7 @@ async def discover_specs(data_dir: Path) -> list[ToolSpec]:
                 )  # fmt: skip
             )
         for (path, server), process in zip(sources, processes, strict=True):
+            assert process.stdout is not None  # started with stdout=PIPE
             line = (await asyncio.wait_for(process.stdout.readline(), 60)).decode()
             if not line.startswith("listening "):
                 raise RuntimeError(f"catalog server for {path} did not start: {line!r}")
@@ -238,7 +239,7 @@ def run(
     query_started = time.perf_counter()
     recall = recall_at_k(index, tasks)
     query_ms = (time.perf_counter() - query_started) * 1000 / max(len(tasks), 1)
-    count_tokens = estimate_tokens
+    count_tokens: Callable[[str], int] = estimate_tokens
     if tokenizer == "smollm2":
         try:
             count_tokens, tokenizer = smollm2_token_counter(), "smollm2-135m-instruct"

@@ -124,19 +124,20 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         options.output_tokens,
         options.num_threads,
     )
+    machine = report.machine_info(options.num_threads)
+    machine["other_cpu_load"] = report.other_cpu_load(cpu_start, report.cpu_snapshot())
     results = {
         "benchmark": "engine",
         "model": options.model,
         "model_path": str(folder),
         "num_threads": options.num_threads,
         "options": asdict(options),
-        "machine": report.machine_info(options.num_threads),
+        "machine": machine,
         "once": once_res,
         "transformers": None if options.skip_hf else hf_res,
         "llama_cpp": llama,
         "session": session,
     }
-    results["machine"]["other_cpu_load"] = report.other_cpu_load(cpu_start, report.cpu_snapshot())
     figures = report.headline(results)
     results.update(figures)
     results["bars"] = report.bars(figures)

@@ -12,15 +12,21 @@ Decode step time, two methods (both reported):
 
 import inspect
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded
+    from transformers import Cache
 
 # Prefill chunk for the manual loop: 8,000 tokens at once would materialize a
 # (heads, 8000, 8000) fp32 attention score tensor per layer in SDPA's math path.
 PREFILL_CHUNK = 2048
 
 
-def _forward_with_cache(model, input_ids: torch.Tensor, cache, **kwargs):
+def _forward_with_cache(
+    model, input_ids: torch.Tensor, cache: "Cache | None", **kwargs
+) -> "tuple[torch.Tensor, Cache]":
     """One forward that extends `cache`; returns (logits, cache).
 
     transformers 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes
@@ -115,7 +121,7 @@ def measure_decode_loop(model, prompt: list[int], num_decode: int) -> dict:
             logits, cache = _forward_with_cache(model, token, cache)
             token = logits[:, -1].argmax(-1, keepdim=True)
             step_s.append(time.perf_counter() - t0)
-    if cache.get_seq_length() != len(prompt) + num_decode:
+    if cache is None or cache.get_seq_length() != len(prompt) + num_decode:
         raise RuntimeError("transformers' KV cache did not grow one token per step")
     return {
         "context_tokens": len(prompt),

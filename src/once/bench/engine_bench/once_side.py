@@ -155,6 +155,7 @@ def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: s
         deltas = engine.generate([request])[request.request_id]
         output = [t for d in deltas for t in d.token_ids]
         metrics = deltas[-1].metrics
+        assert metrics is not None  # the finished delta carries them
         turns.append(
             {
                 "turn": turn,

@@ -49,7 +49,7 @@ def ablation_table(totals: dict[str, dict]) -> list[dict]:
         if name not in totals:
             continue
         variant = totals[name]
-        row = {"stack": name, "switched_off": switched_off}
+        row: dict[str, object] = {"stack": name, "switched_off": switched_off}
         for resource in RESOURCES:
             saved = variant[resource] - base[resource]
             row[resource] = variant[resource]

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from once.bench.engine_bench.hf_baseline import PREFILL_CHUNK, _forward_with_cache
+
+if TYPE_CHECKING:  # transformers is imported where the model is loaded
+    from transformers import Cache
 
 BASELINE_NAME = "transformers_prefix_reuse"
 
@@ -48,7 +52,7 @@ class PrefixReuseBaseline:
             raise ValueError(f"prefill_chunk must be >= 1, not {prefill_chunk}")
         self.model = model
         self.prefill_chunk = prefill_chunk
-        self.cache = None
+        self.cache: Cache | None = None
         self.cached_ids: list[int] = []  # the tokens whose KV the cache holds, in order
 
     def reset(self) -> None:
@@ -71,6 +75,7 @@ class PrefixReuseBaseline:
                 self.model, chunk, self.cache, logits_to_keep=1
             )
         self.cached_ids = list(prompt_ids)
+        assert logits is not None  # the suffix has at least one token
         return logits[0, -1], keep
 
     @torch.inference_mode()
@@ -90,7 +95,7 @@ class PrefixReuseBaseline:
         for token_id in forced_ids[:-1]:
             self.decode(token_id)
         decoded = time.perf_counter()
-        if self.cache.get_seq_length() != len(self.cached_ids):
+        if self.cache is None or self.cache.get_seq_length() != len(self.cached_ids):
             raise RuntimeError("transformers' cache length drifted from the tokens it holds")
         return BaselineCall(
             index=index,

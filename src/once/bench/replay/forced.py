@@ -66,7 +66,7 @@ class ForcedOutputEngine:
             )
         forced = queue.popleft()
         record = EngineRecord(
-            request.session_key, request.request_id, request.prompt_token_ids, len(forced)
+            request.session_key or "", request.request_id, request.prompt_token_ids, len(forced)
         )
         self.records.append(record)
         started = time.perf_counter()
@@ -75,7 +75,10 @@ class ForcedOutputEngine:
         try:
             # aclosing: closed with this generator, the inner stream (a routed request's
             # HTTP response) is closed now, not whenever the garbage collector finds it.
-            async with contextlib.aclosing(self.inner.generate(forced_request)) as deltas:
+            # EngineClient.generate is declared an AsyncIterator; every implementation is an
+            # async generator, which has the aclose this needs.
+            deltas_in = self.inner.generate(forced_request)
+            async with contextlib.aclosing(deltas_in) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
                     if record.first_token_s is None and delta.token_ids:
                         record.first_token_s = time.perf_counter() - started

@@ -26,7 +26,8 @@ serve more than that (the same system prompt); such tokens are simply not comput
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 import numpy as np
 
@@ -135,8 +136,9 @@ def _sum(records: Iterable[dict]) -> dict:
         "output_tokens",
         "ideal_cached",
     )
-    totals = {key: int(sum(r[key] for r in records)) for key in keys}
-    totals["tokens_new"] = totals["prompt_tokens"] - totals["ideal_cached"]
+    counts = {key: int(sum(r[key] for r in records)) for key in keys}
+    totals: dict[str, int | float | None] = dict(counts)
+    totals["tokens_new"] = counts["prompt_tokens"] - counts["ideal_cached"]
     totals["calls"] = len(records)
     totals["incremental_calls"] = sum(1 for r in records if r["incremental"])
     totals["prefix_breaks"] = sum(1 for r in records if r["break_cause"] is not None)
@@ -148,10 +150,10 @@ def _sum(records: Iterable[dict]) -> dict:
     # Speculative decoding, as vLLM counts it: mean acceptance length = 1 + accepted /
     # verifications (records from before speculation was replayed carry none).
     for key in SPEC_KEYS:
-        totals[key] = int(sum(r.get(key, 0) for r in records))
-    drafts = totals["num_drafts"]
+        totals[key] = counts[key] = int(sum(r.get(key, 0) for r in records))
+    drafts = counts["num_drafts"]
     totals["mean_acceptance_length"] = (
-        round(1 + totals["num_accepted_tokens"] / drafts, 4) if drafts else None
+        round(1 + counts["num_accepted_tokens"] / drafts, 4) if drafts else None
     )
     return totals
 
@@ -180,8 +182,11 @@ def compare(once: dict, naive: dict) -> dict:
     }
 
 
-def by_group(rows: list[dict], key) -> dict[str, list[dict]]:
-    groups: dict[str, list[dict]] = defaultdict(list)
+_Row = TypeVar("_Row")
+
+
+def by_group(rows: Iterable[_Row], key: Callable[[_Row], str]) -> dict[str, list[_Row]]:
+    groups: dict[str, list[_Row]] = defaultdict(list)
     for row in rows:
         groups[key(row)].append(row)
     return dict(groups)

@@ -143,8 +143,10 @@ async def replay_session(
                 id_map.update(_call_id_pairs(call.output_items, output))
             engine = stack.forced.last_record(key)
             engine_metrics = engine.metrics
+            assert engine_metrics is not None  # the finished delta carried them
             bytes_sent = transport.stats.bytes_sent - before_bytes
             if concurrent:
+                assert stack.builds is not None  # open_stack always logs the builds
                 tokenized = stack.builds.take(engine.prompt_ids) or 0
                 received = bytes_sent
             else:
@@ -251,8 +253,8 @@ def _same_meaning(recorded: list[dict], returned: list[dict]) -> bool:
     return _meaning(recorded) == _meaning(returned)
 
 
-def _meaning(items: list[dict]) -> list:
-    meaning = []
+def _meaning(items: list[dict]) -> list[tuple[object, ...]]:
+    meaning: list[tuple[object, ...]] = []
     for item in items:
         if item.get("type") == "message":
             text = "".join(part.get("text", "") for part in item.get("content") or [])

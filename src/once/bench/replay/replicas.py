@@ -227,7 +227,7 @@ class Fleet:
     clients: list[RemoteEngineClient]
     router: Router
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self._last_stats: dict[str, dict] = {}  # replica name -> its last answered stats
 
     @property

@@ -21,6 +21,7 @@ import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import anthropic
 import openai
@@ -31,6 +32,10 @@ from once.bench.replay.replicas import Fleet, open_fleet
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.render import NotIncrementalError
+
+if TYPE_CHECKING:  # the engine (and torch) is imported when a stack opens
+    from once.engine.async_engine import AsyncEngine
+    from once.router.router import Router
 
 TOKENIZER_MODEL = "smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -109,7 +114,7 @@ class LoggingBuilder:
     to its own gateway work when sessions run at once (the gateway's counters are global).
     Only the first build of a prompt is kept: a verification re-render comes after it."""
 
-    def __init__(self, inner):
+    def __init__(self, inner) -> None:
         self._inner = inner
         self.num_tokenized_by_prompt: dict[int, int] = {}  # hash of the prompt ids -> count
 
@@ -133,7 +138,7 @@ class LoggingBuilder:
 @dataclass
 class Stack:
     spec: StackSpec
-    engine: object  # the AsyncEngine
+    engine: AsyncEngine | Router  # the in-process engine, or the fleet's router
     forced: ForcedOutputEngine
     gateway: ResponsePipeline
     client: openai.AsyncOpenAI
@@ -152,7 +157,8 @@ class Stack:
     def block_size(self) -> int:
         if self.fleet is not None:
             return self.fleet.router.config.block_size
-        return self.engine.engine.config.block_size
+        engine = cast("AsyncEngine", self.engine)  # without a fleet: the in-process engine
+        return engine.engine.config.block_size
 
     async def engine_stats(self) -> dict:
         """The engine's stats; over replicas, their counters summed."""
@@ -244,6 +250,7 @@ async def open_stack(
     )
     async with contextlib.AsyncExitStack() as stack_of_closers:
         fleet = None
+        engine: AsyncEngine | Router
         if replicas > 1:
             fleet = await stack_of_closers.enter_async_context(
                 open_fleet(
@@ -276,7 +283,9 @@ async def open_stack(
         yield Stack(spec, engine, forced, gateway, client, builds, fleet, anthropic_client)
 
 
-def _in_process_engine(spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks):
+def _in_process_engine(
+    spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks
+) -> AsyncEngine:
     from once.engine.async_engine import AsyncEngine
     from once.engine.config import EngineConfig
     from once.engine.core import LLMEngine

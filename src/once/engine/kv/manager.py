@@ -10,7 +10,7 @@ A block is registered in the prefix cache as soon as it is full and the step tha
 has been scheduled: the forward runs before any later request can match it.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from once.engine.kv.blocks import BlockPool, KVBlock
 from once.engine.kv.connector import KVConnector, NoOpConnector
@@ -32,6 +32,8 @@ class KVCacheManager:
         # device cache; the engine supplies it because only it holds the KV tensors.
         self.load_block = load_block
         self.has_connector = not isinstance(self.connector, NoOpConnector)
+        if self.has_connector and load_block is None:
+            raise ValueError("a KV connector needs load_block to copy its blocks in")
         pool.track_newly_cached = self.has_connector
         self.num_external_hit_tokens = 0
         self.req_blocks: dict[str, list[KVBlock]] = {}
@@ -67,10 +69,14 @@ class KVCacheManager:
             hits += self._load_external(request, hits, max_blocks)
         return hits, len(hits) * self.block_size
 
-    def _load_external(self, request: Request, hits: list[KVBlock], max_blocks: int):
+    def _load_external(
+        self, request: Request, hits: list[KVBlock], max_blocks: int
+    ) -> list[KVBlock]:
         # Device miss: ask the connector (host/disk tier, or a prefill node) for the next
         # run of blocks, copy them into fresh device blocks and cache them there. They are
         # released to ref 0 at once (cached, in the free queue) and taken like any hit.
+        load_block = self.load_block
+        assert load_block is not None  # __init__ requires it with a connector
         wanted = request.block_hashes[len(hits) : max_blocks]
         num_available = min(self.connector.lookup(wanted), self.pool.num_free_blocks)
         loaded: list[KVBlock] = []
@@ -78,7 +84,7 @@ class KVCacheManager:
             index = len(hits) + i
             tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
             parent = request.block_hashes[index - 1] if index else None
-            if len(loaded) != i or not self.load_block(block.block_id, wanted[i]):
+            if len(loaded) != i or not load_block(block.block_id, wanted[i]):
                 self.pool.free_blocks([block])
                 continue
             self.pool.cache_block(block, wanted[i], parent, tokens)
@@ -94,14 +100,14 @@ class KVCacheManager:
         self.num_hit_tokens += num_hit_tokens
 
     def can_allocate(
-        self, request: Request, num_new_tokens: int, hit_blocks: list[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[KVBlock] = ()
     ) -> bool:
         return self._num_blocks_needed(request, num_new_tokens, hit_blocks) <= (
             self.pool.num_free_blocks - sum(1 for b in hit_blocks if b.ref_count == 0)
         )
 
     def allocate(
-        self, request: Request, num_new_tokens: int, hit_blocks: list[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, hit_blocks: Sequence[KVBlock] = ()
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens; False if short."""
         if not self.can_allocate(request, num_new_tokens, hit_blocks):

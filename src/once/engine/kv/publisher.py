@@ -42,7 +42,7 @@ class ZmqKVEventPublisher:
     def __init__(self, endpoint: str, topic: str = "kv-events"):
         import zmq
 
-        self._context = zmq.Context.instance()
+        self._context: zmq.SyncContext = zmq.Context.instance()
         self._socket = self._context.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(endpoint)

@@ -188,6 +188,7 @@ class LlamaModel:
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer.forward(x, delta, rope_tables, kv_cache, i, meta)
+        assert delta is not None  # a model has at least one layer
         x = x + delta
         # The lm head is the biggest matmul: run it only on rows that are sampled.
         x = x.index_select(0, logits_indices)

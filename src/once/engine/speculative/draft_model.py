@@ -275,12 +275,14 @@ class DraftModelDrafter:
             self._tensor(logits_rows, torch.long),
         )
 
-    def _choose(self, requests: list[Request], logits: torch.Tensor):
+    def _choose(
+        self, requests: list[Request], logits: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor | None]]:
         """(token, probs row or None) per request: argmax, or a sample of the processed
         draft distribution (a CPU row, as the CPU generators need)."""
         greedy = [r.sampling.greedy or r.forced_output_ids is not None for r in requests]
-        picks = logits.argmax(dim=-1).tolist() if any(greedy) else None
-        chosen = []
+        picks: list[int] = logits.argmax(dim=-1).tolist() if any(greedy) else []
+        chosen: list[tuple[int, torch.Tensor | None]] = []
         for row, request in enumerate(requests):
             if greedy[row]:
                 chosen.append((picks[row], None))

@@ -69,8 +69,9 @@ class SuffixDrafter:
         draft: list[int] = []
         score = 1.0
         while len(draft) < budget and walkers:
-            counts = Counter(index.token_at(s, p) for index, s, p in walkers)
-            counts.pop(None, None)  # occurrences that reached the end of their sequence
+            tokens = (index.token_at(s, p) for index, s, p in walkers)
+            # None: an occurrence that reached the end of its sequence.
+            counts = Counter(t for t in tokens if t is not None)
             if not counts:
                 break
             token, count = counts.most_common(1)[0]
@@ -86,6 +87,7 @@ class SuffixDrafter:
         if request.session_key is None or not request.output_token_ids:
             return
         session = self._session(request.session_key, touch=True, create=True)
+        assert session is not None  # a key and create=True
         session.add_sequence(request.output_token_ids)
         if sum(len(s) for s in session.sequences) > self.session_budget_tokens:
             # Rebuild from the newest outputs that fit: simple, and rare.
