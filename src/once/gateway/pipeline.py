@@ -55,7 +55,7 @@ class EventEncoder(Protocol):
     def api_object(self) -> dict: ...  # the finished response as the API returns it
 
 
-Frame = Callable[[list[dict]], object]  # a batch of wire events -> what the transport writes
+Frame = Callable[[list[Any]], object]  # a batch of wire events -> what the transport writes
 
 
 @dataclass

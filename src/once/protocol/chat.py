@@ -120,8 +120,9 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
     )
 
 
-def include_usage(body: dict) -> bool:
-    return bool((body.get("stream_options") or {}).get("include_usage"))
+def include_usage(body: object) -> bool:
+    options = body.get("stream_options") if isinstance(body, dict) else None
+    return bool((options or {}).get("include_usage"))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -154,7 +155,7 @@ def _items(messages: list[dict]) -> tuple[str | None, tuple[dict, ...]]:
             leading.append(_text(message.get("content")))
         elif role in ("system", "developer", "user"):
             content = message.get("content")
-            parts = content if isinstance(content, str) else [_part(p) for p in content]
+            parts = content if isinstance(content, str) else [_part(p) for p in content or ()]
             items.append({"type": MESSAGE, "role": role, "content": parts})
         elif role == "assistant":
             text = _text(message.get("content"))
