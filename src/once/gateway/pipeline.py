@@ -193,8 +193,9 @@ class ResponsePipeline:
                 added.events_s += t1 - t0
                 yield framed
                 added.writes_s += time.perf_counter() - t1
-            finished = prepared.output.finished
-            outcome = f"response.{finished.status}" if finished is not None else "disconnected"
+                finished = prepared.output.finished
+                if final is not None and finished is not None:
+                    outcome = f"response.{finished.status}"  # the last event was written
         finally:
             self.num_inflight -= 1
             self.metrics.inflight.dec()

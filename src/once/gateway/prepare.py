@@ -33,6 +33,7 @@ from once.protocol.responses import ResponsesRequest
 logger = logging.getLogger(__name__)
 
 INLINE_RENDER_CHARS = 256
+NOTHING_RENDERED = "!empty"
 
 
 @functools.cache
@@ -131,6 +132,11 @@ class PromptPreparer:
         if built is None:
             if items is None:
                 items = await self._all_items(state, request, tenant)
+        if built is None and not items:
+            # A warm-up of no items (Codex prewarms so): nothing to render or prefill. The
+            # key no request has makes its continuation render in full.
+            built = BuiltPrompt([], [], "full", 0, 0, key + NOTHING_RENDERED)
+        if built is None:
             built = await self._run_cpu(
                 _num_chars(items),
                 model.builder.full,

@@ -109,10 +109,14 @@ def hosted_tool_names(tools: Iterable[dict]) -> list[str]:
 
 def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str]:
     """The kinds of tool a request declares (its `tools` and `additional_tools` items)."""
-    kinds = {_kind(tool) for tool in tools}
+    listed = list(tools)
     for item in items:
         if item.get("type") == ADDITIONAL_TOOLS:
-            kinds.update(_kind(tool) for tool in item.get("tools") or ())
+            listed.extend(item.get("tools") or ())
+    kinds = set()
+    for tool in listed:
+        kinds.add(_kind(tool))
+        kinds.update(_kind(nested) for nested in tool.get("tools") or ())  # a namespace's
     return kinds
 
 
@@ -127,8 +131,7 @@ def call_item(name: str, arguments: str, text_input: str | None, declared: set[s
     """The output item of one parsed call (ids and status are the builder's)."""
     namespace, _, short = name.rpartition(NAMESPACE_SEPARATOR)
     if text_input is not None and "custom" in declared:
-        item = {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
-        return {**item, "namespace": namespace} if namespace else item
+        return {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
     if text_input is not None:  # an input where no custom tool was declared: an argument
         arguments = json.dumps({"input": text_input}, ensure_ascii=False)
     if not namespace and name in declared:

@@ -50,7 +50,8 @@ def check_semantics(
         raise InvalidRequestError("temperature must be in [0, 2]", param="temperature")
     if request.top_p is not None and not 0 < request.top_p <= 1:
         raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    if not request.input_items and not request.previous_response_id:
+    # A warm-up may hold no items: Codex prewarms with `input: []` and its tools.
+    if not request.input_items and not request.previous_response_id and request.generate:
         raise InvalidRequestError("input must not be empty", param="input")
     for i, item in enumerate(request.input_items):
         if item["type"] != MESSAGE or isinstance(item.get("content"), str):

@@ -25,6 +25,9 @@ async def warm_up_events(
     output, model = prepared.output, prepared.model
     num_prompt = len(prepared.built.prompt_ids)
     yield output.started()
+    if not num_prompt:  # nothing to prefill
+        yield output.finish(COMPLETED, Usage(0, 0, 0))
+        return
     request = GenerateRequest(
         request_id=prepared.response_id,
         prompt_token_ids=tuple(prepared.built.prompt_ids),
