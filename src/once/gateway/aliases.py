@@ -12,15 +12,25 @@ an empty table turns aliasing off. Responses echo the name the client sent.
 import fnmatch
 from collections.abc import Mapping
 
-# The models Codex CLI and Claude Code ask for in their default configurations.
-DEFAULT_CLIENT_MODELS: tuple[str, ...] = ()
+# The models Codex CLI 0.171 and Claude Code 2.1 ask for in their default configurations
+# (Codex's default; Claude Code's main model and its opus/sonnet/haiku choices).
+DEFAULT_CLIENT_MODELS: tuple[str, ...] = (
+    "gpt-6.2-sol",
+    "claude-opus-4-8",
+    "claude-sonnet-5",
+    "claude-haiku-4-5-20251001",
+)
+
+
+def default_table(served: str) -> dict[str, str]:
+    return {name: served for name in DEFAULT_CLIENT_MODELS}
 
 
 class ModelAliases:
     def __init__(self, served: Mapping[str, object], table: Mapping[str, str] | None = None):
         if table is None:
             only = next(iter(served)) if len(served) == 1 else None
-            table = {name: only for name in DEFAULT_CLIENT_MODELS} if only else {}
+            table = default_table(only) if only else {}
         unknown = sorted({target for target in table.values() if target not in served})
         if unknown:
             raise ValueError(f"model aliases point at models not served here: {unknown}")

@@ -50,6 +50,7 @@ def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
             transport=TRANSPORT,
             received_at=received_at,
             parse=parse_chat_request,
+            api="chat",
         )
         prepared = await pipeline.prepare(admission)
         encoder = ChatCompletionsEncoder(

@@ -68,6 +68,7 @@ def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
             transport=TRANSPORT,
             received_at=received_at,
             parse=parse,
+            api="messages",
         )
 
     @router.post("/v1/messages")

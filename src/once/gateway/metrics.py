@@ -50,6 +50,9 @@ class GatewayMetrics:
         self.requests = counter(
             "requests", "Responses requests by transport and outcome", ("transport", "outcome")
         )
+        self.api_requests = counter(
+            "api_requests", "Requests prepared, by API and how they are answered", ("api", "mode")
+        )
         self.renders = counter("renders", "Prompt builds by mode (full or incremental)", ("mode",))
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens sent to the engine")
         self.tokenized_tokens = counter("tokenized_tokens", "Tokens this gateway tokenized")

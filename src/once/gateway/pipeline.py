@@ -76,6 +76,7 @@ class Admission:
     model: ModelRuntime
     transport: str
     admit_s: float
+    api: str = "responses"  # responses | chat | messages
 
 
 class ResponsePipeline:
@@ -125,6 +126,7 @@ class ResponsePipeline:
         transport: str,
         received_at: float,
         parse: Callable[[object], ResponsesRequest],
+        api: str = "responses",
         inherit: Callable[[dict], Awaitable[dict]] | None = None,
     ) -> Admission:
         """`parse` is the API's adapter (its body -> the pipeline's request). Semantic
@@ -144,7 +146,7 @@ class ResponsePipeline:
             raise
         admit_s = time.perf_counter() - received_at
         assert isinstance(body, dict)  # parse_request refuses anything else
-        return Admission(body, request, tenant, model, transport, admit_s)
+        return Admission(body, request, tenant, model, transport, admit_s, api)
 
     async def prepare(
         self, admission: Admission, connection: ConnectionCache | None = None
@@ -160,6 +162,10 @@ class ResponsePipeline:
             raise
         prepared.added.admit_s = admission.admit_s
         prepared.added.prepare_s = time.perf_counter() - t0
+        mode = "websocket" if admission.transport == "websocket" else "json"
+        if mode == "json" and admission.request.stream:
+            mode = "sse"
+        self.metrics.api_requests.labels(admission.api, mode).inc()
         return prepared
 
     async def count_prompt_tokens(self, admission: Admission) -> int:

@@ -131,7 +131,8 @@ def call_item(name: str, arguments: str, text_input: str | None, declared: set[s
     """The output item of one parsed call (ids and status are the builder's)."""
     namespace, _, short = name.rpartition(NAMESPACE_SEPARATOR)
     if text_input is not None and "custom" in declared:
-        return {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
+        item = {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
+        return {**item, "namespace": namespace} if namespace else item
     if text_input is not None:  # an input where no custom tool was declared: an argument
         arguments = json.dumps({"input": text_input}, ensure_ascii=False)
     if not namespace and name in declared:
