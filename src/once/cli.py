@@ -253,6 +253,8 @@ def cmd_bench(args, rest) -> int:
         from once.bench.agent_bench.cli import main as bench_main
     elif args.target == "spec":
         from once.bench.spec_bench.cli import main as bench_main
+    elif args.target == "structured":
+        from once.bench.engine_bench.structured import main as bench_main
     else:
         from once.bench.gateway_bench import main as bench_main
     return bench_main(rest)
@@ -313,7 +315,7 @@ def main(argv=None) -> int:
     sub.add_parser("replay", help="replay recorded agent sessions: the ledger", add_help=False)
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
-    bench.add_argument("target", choices=["engine", "gateway", "agent", "spec"])
+    bench.add_argument("target", choices=["engine", "gateway", "agent", "spec", "structured"])
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
