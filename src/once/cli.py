@@ -269,6 +269,8 @@ def cmd_bench(args, rest) -> int:
         from once.bench.spec_bench.cli import main as bench_main
     elif args.target == "clients":
         from once.bench.clients import main as bench_main
+    elif args.target == "structured":
+        from once.bench.engine_bench.structured import main as bench_main
     else:
         from once.bench.gateway_bench import main as bench_main
     return bench_main(rest)
@@ -329,7 +331,9 @@ def main(argv=None) -> int:
     sub.add_parser("replay", help="replay recorded agent sessions: the ledger", add_help=False)
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
-    bench.add_argument("target", choices=["engine", "gateway", "agent", "spec", "clients"])
+    bench.add_argument(
+        "target", choices=["engine", "gateway", "agent", "spec", "clients", "structured"]
+    )
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":

@@ -102,6 +102,14 @@ MALFORMED_BODIES = [
     b'{"request_id": "x", "prompt_token_ids": [1], "forced_output_ids": [-1.5]}',
     b'{"request_id": "x", "prompt_token_ids": [1], "cache_salt": 3}',
     b'{"request_id": "x", "prompt_token_ids": [1], "extra": 1}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": "regex"}}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": {"kind": 1}}}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": {"kind": "sql"}}}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": {"kind": "regex"}}}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": '
+    b'{"constraint": {"kind": "json_schema", "text": "{nope"}}}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "sampling": '
+    b'{"constraint": {"kind": "regex", "text": "a", "flags": "i"}}}',
 ]
 
 

@@ -12,10 +12,35 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from once.engine.scripted import ScriptedEngine
 from once.gateway.testing import serve_app as serve_loopback
-from once.protocol.engine import GenerateRequest, SamplingParams
+from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
 from once.protocol.errors import OnceError
 
 START_TIMEOUT_S = 5
+
+
+# vLLM's structured_outputs keys, one of which a request may set (as its validation does).
+CONSTRAINT_KEYS = ("json", "json_object", "grammar", "regex", "choice", "structural_tag")
+
+
+def constraint_of(structured: dict | None) -> OutputConstraint | None:
+    """vLLM's structured_outputs object back as once's constraint (choice and
+    structural_tag are vLLM's own and have no once kind: recorded, not enforced)."""
+    if not structured:
+        return None
+    kinds = [key for key in CONSTRAINT_KEYS if structured.get(key) not in (None, False)]
+    if len(kinds) != 1:
+        raise ValueError(f"structured_outputs must set exactly one of {CONSTRAINT_KEYS}")
+    kind = kinds[0]
+    if kind == "json":
+        schema = structured["json"]
+        return OutputConstraint(
+            "json_schema", schema if isinstance(schema, str) else json.dumps(schema)
+        )
+    if kind == "json_object":
+        return OutputConstraint("json_object")
+    if kind in ("grammar", "regex"):
+        return OutputConstraint("lark" if kind == "grammar" else "regex", structured[kind])
+    return None
 
 
 def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> FastAPI:
@@ -36,6 +61,11 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
         if len(prompt) > engine.max_model_len:
             message = f"This model's maximum context length is {engine.max_model_len} tokens."
             return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
+        try:
+            constraint = constraint_of(body.get("structured_outputs"))
+        except (ValueError, TypeError, OnceError) as exc:
+            message = getattr(exc, "message", str(exc))
+            return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
         request = GenerateRequest(
             request_id=f"cmpl-{len(app.state.bodies)}",
             prompt_token_ids=tuple(prompt),
@@ -43,6 +73,7 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
                 max_tokens=body["max_tokens"],
                 ignore_eos=body.get("ignore_eos", False),
                 stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+                constraint=constraint,  # the scripted engine records and ignores it
             ),
             cache_salt=body.get("cache_salt"),
         )

@@ -1,8 +1,10 @@
 import contextlib
 
+import httpx
 import pytest
 
 from once.engine.scripted import ScriptedEngine
+from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
 from once.protocol.errors import EngineDeadError, InvalidRequestError, OnceError
 from once.router import OpenAICompletionsClient, Router, RouterConfig
 from once.router.openai_replica import error_from_status, token_ids_of
@@ -51,6 +53,49 @@ async def test_forced_outputs_and_salts_map_to_vllm_fields():
             assert body["cache_salt"] == "tenant-a"
         finally:
             await client.aclose()
+
+
+CONSTRAINTS = [
+    (
+        OutputConstraint("json_schema", '{"type": "object", "required": ["a"]}'),
+        {"json": {"type": "object", "required": ["a"]}, "disable_any_whitespace": True},
+    ),
+    (OutputConstraint("json_object"), {"json_object": True, "disable_any_whitespace": True}),
+    (OutputConstraint("lark", 'start: "yes" | "no"'), {"grammar": 'start: "yes" | "no"'}),
+    (OutputConstraint("regex", "[0-9]{3}"), {"regex": "[0-9]{3}"}),
+]
+
+
+@pytest.mark.parametrize(("constraint", "expected"), CONSTRAINTS)
+async def test_constraints_map_to_vllm_structured_outputs(constraint, expected):
+    engine = ScriptedEngine()
+    app = build_fake_vllm(engine)
+    async with serve_app(app) as (url, _):
+        client = OpenAICompletionsClient(url, model="m")
+        try:
+            sampling = SamplingParams(max_tokens=4, constraint=constraint)
+            await collect(client, GenerateRequest("c", tuple(PROMPT), sampling))
+            assert app.state.bodies[0]["structured_outputs"] == expected
+            assert engine.requests[0].sampling.constraint == constraint  # mapped back
+            forced = GenerateRequest("f", tuple(PROMPT), sampling, forced_output_ids=(5, 6))
+            await collect(client, forced)
+            assert "structured_outputs" not in app.state.bodies[1]  # forced ids bypass it
+        finally:
+            await client.aclose()
+
+
+async def test_the_fake_vllm_rejects_two_constraints_at_once():
+    engine = ScriptedEngine()
+    app = build_fake_vllm(engine)
+    async with serve_app(app) as (url, _), httpx.AsyncClient(base_url=url) as http:
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "structured_outputs": {"regex": "a", "grammar": "b"},
+        }
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 400 and "exactly one" in response.text
+        assert not engine.requests
 
 
 async def test_errors_from_the_server_are_mapped():

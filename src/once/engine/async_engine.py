@@ -50,7 +50,12 @@ class AsyncEngine:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        self.engine.validate(request)  # raises before anything is admitted
+        # Raises before anything is admitted. A constraint is compiled there (cached after):
+        # on a thread, since the first one also builds the grammar tokenizer (~1 s).
+        if request.sampling.constraint is None:
+            self.engine.validate(request)
+        else:
+            await asyncio.to_thread(self.engine.validate, request)
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request.request_id in self._streams:

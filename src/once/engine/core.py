@@ -13,9 +13,11 @@ import torch
 
 from once.engine.attention import PagedKVCache
 from once.engine.config import EngineConfig
+from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_from_model
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
+from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
@@ -35,7 +37,12 @@ from once.protocol.errors import (
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, connector: KVConnector | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        connector: KVConnector | None = None,
+        grammar_tokenizer: TokenizerFactory | None = None,
+    ):
         from once.engine.loader import load_model_weights, resolve_model_path
 
         if config.num_threads:
@@ -109,11 +116,21 @@ class LLMEngine:
         self.governor = None  # cost-aware draft length (config.speculative_adaptive)
         if config.speculative_adaptive:
             self.governor = DraftLengthGovernor(config.num_speculative_tokens)
+        # Structured outputs (grammar.py, masks.py): the tokenizer llguidance needs is
+        # built from the model folder on the first constrained request, unless given.
+        self.grammars = GrammarCompiler(
+            grammar_tokenizer
+            or tokenizer_from_model(
+                self.model_path, model_config.vocab_size, model_config.eos_token_ids
+            )
+        )
+        self.masks = GrammarMasks(model_config.vocab_size)
 
     # -- admission -----------------------------------------------------------------------
 
     def validate(self, request: GenerateRequest) -> None:
-        """Checks that need no engine state, so callers can fail fast on their thread."""
+        """Checks that need no step-loop state, so callers can fail fast on their thread
+        (a constraint is compiled here, into the thread-safe grammar cache)."""
         num_prompt = len(request.prompt_token_ids)
         if num_prompt >= self.max_model_len:
             raise ContextLengthExceededError(
@@ -134,6 +151,9 @@ class LLMEngine:
                 "forced_output_ids must be a non-empty list of ids in the vocabulary",
                 param="forced_output_ids",
             )
+        constraint = request.sampling.constraint
+        if constraint is not None and forced is None:
+            self.grammars.compile(constraint)  # cached: admission takes a copy
         max_out = request.sampling.max_tokens if forced is None else len(forced)
         max_total = min(num_prompt + max_out, self.max_model_len)
         num_blocks_needed = -(-max_total // self.config.block_size)
@@ -150,6 +170,9 @@ class LLMEngine:
                 f"request id {request.request_id!r} is already running", param="request_id"
             )
         state = Request(request, self.model_config.eos_token_ids, self.max_model_len)
+        constraint = request.sampling.constraint
+        if constraint is not None and request.forced_output_ids is None:
+            state.grammar = self.grammars.matcher(constraint)
         self.requests[request.request_id] = state
         self.scheduler.add(state)
 
@@ -177,26 +200,43 @@ class LLMEngine:
             s.request.is_decoding for s in out.scheduled
         )
         started = time.perf_counter()
+        masks = self.masks.start(out.scheduled)  # filled on a worker during the forward
         try:
             logits, sampled = self.runner.execute(out.scheduled)
         except Exception as exc:  # a failed forward fails its requests, not the engine
+            if masks is not None:
+                masks.wait()  # the matchers are not touched while a fill reads them
             error = OnceError(f"forward failed: {type(exc).__name__}: {exc}")
             for item in out.scheduled:
                 self._finish(item.request, FINISH_ERROR, error=error.to_dict())
             return deltas + self._take_pending()
         requests = [s.request for s in sampled]
+        failed = [] if masks is None else masks.apply(logits, requests)
         committed = self._select_tokens(logits, requests)
+        if failed:
+            requests, committed = self._fail_grammars(failed, requests, committed)
         if self.kv.has_connector:
             self._save_new_blocks()
         update = self.scheduler.update_from_output(out, requests, committed)
         self._record(update)
         deltas += self._deltas(update)
+        if failed:
+            deltas += self._take_pending()  # the failed requests' last deltas
 
         elapsed = time.perf_counter() - started
         self.step_time_s += elapsed
         if decode_only:
             self.governor.observe_step(out.num_batched_tokens, elapsed)
         return deltas
+
+    def _fail_grammars(self, failed, requests, committed):
+        """Finish requests whose matcher failed (their rows were sampled unmasked, and
+        those ids are dropped); the rest of the step goes on without them."""
+        for request, message in failed:
+            error = OnceError(f"structured output failed: {message}")
+            self._finish(request, FINISH_ERROR, error=error.to_dict())
+        kept = [i for i, request in enumerate(requests) if not request.is_finished]
+        return [requests[i] for i in kept], [committed[i] for i in kept]
 
     def _record(self, update: StepUpdate) -> None:
         self.counters["num_computed_prompt_tokens"] += update.num_computed_prompt_tokens
@@ -229,7 +269,13 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         # Drafters read only committed ids (all_token_ids): never a forced id ahead.
-        requests = [r for r in self.scheduler.running if r.is_decoding and r.num_draft_slots]
+        # Constrained requests get no drafts: a draft the grammar rejects would be
+        # verified for nothing, and checking drafts against the matcher is not built yet.
+        requests = [
+            r
+            for r in self.scheduler.running
+            if r.is_decoding and r.num_draft_slots and r.grammar is None
+        ]
         if not requests:
             return
         limit = self.config.num_speculative_tokens
@@ -343,6 +389,8 @@ class LLMEngine:
             "max_model_len": self.max_model_len,
             **self.counters,
             **self.spec.to_stats(),
+            "num_grammars_compiled": self.grammars.num_compiled,
+            **self.masks.stats(),
         }
 
     def enable_kv_events(self) -> None:

@@ -41,6 +41,9 @@ class Request:
             max_tokens = min(max_tokens, len(self.forced_output_ids))
         # Stop at the context limit too: the model has no positions beyond it.
         self.max_output_tokens = min(max_tokens, max_len - len(self.prompt_token_ids))
+        # Structured outputs: the request's grammar matcher (grammar.RequestGrammar), set
+        # by the engine at admission; None when free or forced (forced ids bypass it).
+        self.grammar = None
         self.generator: torch.Generator | None = None
         if request.sampling.seed is not None and not request.sampling.greedy:
             self.generator = torch.Generator().manual_seed(request.sampling.seed)
@@ -80,6 +83,10 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def append_output(self, token_id: int) -> None:
+        # The one place output ids are committed, so the matcher consumes each exactly
+        # once (a recompute after preemption re-runs ids without committing them again).
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         now = time.perf_counter()
@@ -95,6 +102,8 @@ class Request:
             return None
         if last in self.stop_token_ids:
             return "stop"
+        if self.grammar is not None and self.grammar.is_complete:
+            return "stop"  # the grammar admits nothing more: only eos could follow
         if len(self.output_token_ids) >= self.max_output_tokens:
             return "length"
         return None

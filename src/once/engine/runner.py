@@ -70,7 +70,7 @@ class ModelRunner:
                 # Blocks up to the chunk's end: its context is read through them.
                 table = self._tensor(block_ids[: (end + bs - 1) // bs], torch.int32)
                 prefills.append(PrefillChunk(row, item.num_new_tokens, start, table, bs))
-            if end == request.num_tokens + len(drafts):
+            if item.samples:
                 last = len(input_ids) - 1
                 logits_rows.extend(range(last - len(drafts), last + 1))
                 sampled.append(item)

@@ -32,6 +32,14 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
+    @property
+    def samples(self) -> bool:
+        """This step's tokens reach the end of the request's known ones (its drafts
+        included), so its last rows get logits. Read before `update_from_output`."""
+        request = self.request
+        end = request.num_computed_tokens + self.num_new_tokens
+        return end == request.num_tokens + len(request.draft_token_ids)
+
 
 @dataclass
 class SchedulerOutput:

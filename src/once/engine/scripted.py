@@ -5,10 +5,12 @@ fake instead of a model. It behaves like the real engine where callers can obser
 
 - Output: `forced_output_ids` when the request has them, else the next scripted output
   (a list consumed in order, or a callable of the request), else an echo of the prompt.
-  Stop conditions apply as in sampling: a stop token, or eos unless `ignore_eos`, ends the
-  request with finish "stop" and is *included* as the last emitted id (vLLM keeps it in
-  `token_ids` too). Running out of `max_tokens`, of the script, or of `max_model_len`
-  ends it with finish "length".
+  A constraint (`SamplingParams.constraint`) is accepted and ignored: the script is
+  played as written (tests above the engine check that constraints reach it, not that a
+  fake follows them). Stop conditions apply as in sampling: a stop token, or eos unless
+  `ignore_eos`, ends the request with finish "stop" and is *included* as the last
+  emitted id (vLLM keeps it in `token_ids` too). Running out of `max_tokens`, of the
+  script, or of `max_model_len` ends it with finish "length".
 - Prefix cache: chained hashes of full blocks (`protocol/kv_blocks.py`, the real engine's
   scheme, so a router's index agrees with it), the first salted with `cache_salt`, so
   `num_cached_tokens` on the first delta is the longest cached full-block prefix. As in

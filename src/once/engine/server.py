@@ -68,6 +68,19 @@ def _check_int_list(value, param: str, *, nullable: bool = False) -> None:
         raise InvalidRequestError(f"{param} must be a list of integers", param=param)
 
 
+def _check_constraint(value, param: str) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be an object or null", param=param)
+    unknown = set(value) - {"kind", "text"}
+    if unknown:
+        raise InvalidRequestError(f"unknown {param} fields: {sorted(unknown)}", param=param)
+    for key in ("kind", "text"):
+        if not isinstance(value.get(key, ""), str):
+            raise InvalidRequestError(f"{param}.{key} must be a string", param=f"{param}.{key}")
+
+
 def parse_generate_request(body: bytes) -> GenerateRequest:
     """Strictly typed parse of a GenerateRequest body; any problem is InvalidRequestError."""
     try:
@@ -97,6 +110,9 @@ def parse_generate_request(body: bytes) -> GenerateRequest:
             raise InvalidRequestError(f"unknown sampling field {key!r}", param=param)
         if key == "stop_token_ids":
             _check_int_list(value, param)
+            continue
+        if key == "constraint":
+            _check_constraint(value, param)
             continue
         allowed = _SAMPLING_TYPES[key]
         if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):

@@ -84,3 +84,28 @@ def reference_model(folder: Path, attn_implementation: str = "eager"):
         str(folder), dtype=torch.float32, attn_implementation=attn_implementation
     )
     return model.eval()
+
+
+class _ByteVocabulary:
+    """What llguidance's TokenizerWrapper reads: id i is the byte i, ids 0-2 special."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = TINY_CONFIG["bos_token_id"]
+        self.tokens = [bytes([i % 256]) for i in range(vocab_size)]
+        self.special_token_ids = [0, 1, 2]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return [b for b in text if b > 2]
+
+
+def byte_grammar_tokenizer(vocab_size: int = TINY_CONFIG["vocab_size"], eos_token_id: int = 2):
+    """The grammar tokenizer of a tiny model (which has no tokenizer of its own): every id
+    above 2 is one byte, so a constraint's text is its ids. Pass it to LLMEngine as
+    `grammar_tokenizer` (a factory)."""
+    from llguidance import LLTokenizer, TokenizerWrapper
+
+    def build():
+        return LLTokenizer(TokenizerWrapper(_ByteVocabulary(vocab_size, eos_token_id)))
+
+    return build

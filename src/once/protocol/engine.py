@@ -5,6 +5,7 @@
 is plain data; nothing imports torch.
 """
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -17,6 +18,63 @@ FINISH_ABORT = "abort"  # aborted by the caller
 FINISH_ERROR = "error"  # the engine failed this request; see TokenDelta.error
 
 
+# What an output may be: a JSON value valid under a JSON Schema, any JSON object, a
+# string of a Lark grammar (llguidance's dialect, as OpenAI's custom tools use) or one
+# matching a regex.
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """The grammar an output must follow; the engine enforces it token by token.
+
+    `text` is the schema as JSON text (json_schema), empty (json_object), the grammar
+    (lark) or the pattern (regex). Only the shape is checked here; whether the engine can
+    compile it is the engine's check, made before the request is admitted.
+    """
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self):
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(
+                f"constraint kind must be one of {CONSTRAINT_KINDS}, got {self.kind!r}",
+                param="constraint.kind",
+            )
+        if not isinstance(self.text, str):
+            raise InvalidRequestError("constraint text must be a string", param="constraint.text")
+        if self.kind == "json_object":
+            if self.text:
+                raise InvalidRequestError(
+                    "a json_object constraint takes no text", param="constraint.text"
+                )
+        elif not self.text.strip():
+            raise InvalidRequestError(
+                f"a {self.kind} constraint needs its text", param="constraint.text"
+            )
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as exc:
+                raise InvalidRequestError(
+                    f"the JSON schema is not valid JSON: {exc}", param="constraint.text"
+                ) from None
+            if not isinstance(schema, dict | bool):
+                raise InvalidRequestError(
+                    "a JSON schema must be an object or a boolean", param="constraint.text"
+                )
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "text": self.text}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "OutputConstraint":
+        if not isinstance(data, dict):
+            raise InvalidRequestError("constraint must be an object", param="constraint")
+        return cls(kind=data.get("kind"), text=data.get("text", ""))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     # temperature 0 means greedy; top_k 0 and top_p 1.0 mean "off".
@@ -27,6 +85,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # Structured outputs: the output must follow this grammar (forced outputs ignore it).
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -37,13 +97,15 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be >= 0", param="top_k")
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
+        if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
+            raise InvalidRequestError("constraint must be an OutputConstraint", param="constraint")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
     def to_dict(self) -> dict:
-        return {
+        data = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -52,11 +114,19 @@ class SamplingParams:
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,
         }
+        # Only when set: a free request's wire form stays what servers without
+        # constraints accept (they reject unknown sampling fields).
+        if self.constraint is not None:
+            data["constraint"] = self.constraint.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "SamplingParams":
         data = dict(data)
         data["stop_token_ids"] = tuple(data.get("stop_token_ids") or ())
+        constraint = data.get("constraint")
+        if constraint is not None:
+            data["constraint"] = OutputConstraint.from_dict(constraint)
         return cls(**data)
 
 

@@ -14,6 +14,15 @@ arrives on the LAST delta here, not the first.
 `forced_output_ids` cannot be forced through this API: the replica is asked for exactly
 that many tokens with `ignore_eos`, so the cost matches the recording but the ids are
 the server's own.
+
+A constraint goes as vLLM's `structured_outputs` object (vLLM >= 0.10.2, the version
+`return_token_ids` needs already; the older `guided_json` / `guided_grammar` /
+`guided_regex` fields were removed in 0.12): `json` (the schema), `json_object`,
+`grammar` (Lark; vLLM's guidance backend reads it as is, its xgrammar backend converts
+it) or `regex`. JSON kinds add `disable_any_whitespace`, as once's engine compiles JSON
+without free whitespace (engine/grammar.py). A forced request sends no constraint: forced
+ids bypass it in once's engine too. SGLang names these fields differently (`json_schema`,
+`regex`, `ebnf`) and is not mapped.
 """
 
 import json
@@ -27,6 +36,7 @@ from once.protocol.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     GenerateRequest,
+    OutputConstraint,
     RequestMetrics,
     TokenDelta,
 )
@@ -64,7 +74,20 @@ def completions_body(request: GenerateRequest, model: str) -> dict:
     if request.forced_output_ids is not None:
         body["max_tokens"] = max(1, len(request.forced_output_ids))
         body["ignore_eos"] = True
+    elif sampling.constraint is not None:
+        body["structured_outputs"] = structured_outputs(sampling.constraint)
     return body
+
+
+def structured_outputs(constraint: OutputConstraint) -> dict:
+    """vLLM's `structured_outputs` request field for a constraint."""
+    if constraint.kind == "json_schema":
+        return {"json": json.loads(constraint.text), "disable_any_whitespace": True}
+    if constraint.kind == "json_object":
+        return {"json_object": True, "disable_any_whitespace": True}
+    if constraint.kind == "lark":
+        return {"grammar": constraint.text}
+    return {"regex": constraint.text}
 
 
 def error_from_status(status_code: int, body: bytes) -> OnceError:
