@@ -225,7 +225,7 @@ class LLMEngine:
 
         elapsed = time.perf_counter() - started
         self.step_time_s += elapsed
-        if decode_only:
+        if decode_only and self.governor is not None:
             self.governor.observe_step(out.num_batched_tokens, elapsed)
         return deltas
 
@@ -284,6 +284,7 @@ class LLMEngine:
             if limit == 0:
                 return
         max_tokens = [min(limit, r.num_draft_slots) for r in requests]
+        assert self.drafter is not None  # step() proposes only with a drafter
         for request, k, draft in zip(
             requests, max_tokens, self.drafter.propose(requests, max_tokens), strict=True
         ):
@@ -350,12 +351,15 @@ class LLMEngine:
 
     def _save_new_blocks(self) -> None:
         # Blocks registered while scheduling this step now hold their computed K/V.
+        assert self.connector is not None  # step() saves only with a connector
         for block in self.pool.take_newly_cached():
+            assert block.block_hash is not None  # newly cached blocks are full, so hashed
             k = self.kv_cache.k[:, block.block_id]  # (num_layers, block_size, kv_heads, dim)
             v = self.kv_cache.v[:, block.block_id]
             self.connector.save(block.block_hash, k, v)
 
     def _load_block(self, block_id: int, block_hash: int) -> bool:
+        assert self.connector is not None  # the manager loads only with a connector
         return self.connector.load(
             block_hash, self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
         )

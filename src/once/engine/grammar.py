@@ -25,13 +25,21 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import llguidance
 
 from once.protocol.engine import OutputConstraint
 from once.protocol.errors import InvalidRequestError
 
-JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+JSON_DEFAULTS: "JsonCompileOptions" = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 ANY_JSON_OBJECT = {"type": "object"}
 MAX_COMPILED_GRAMMARS = 256
 # llguidance's default limits, but errors without the parser state and grammar dump: the
@@ -67,7 +75,7 @@ def tokenizer_from_model(
     def build() -> llguidance.LLTokenizer:
         import llguidance.hf
 
-        from once.engine.loader import load_tokenizer
+        from once.model_files import load_tokenizer
 
         hf_tokenizer = load_tokenizer(folder)
         eos = list(eos_token_ids) or hf_tokenizer.eos_token_id

@@ -71,12 +71,14 @@ class GrammarMasks:
     def _fill(self, requests: list[Request]) -> tuple[torch.Tensor, list[str | None]]:
         started = time.perf_counter()
         bitmask = llguidance.numpy.allocate_token_bitmask(len(requests), self.vocab_size)
-        matchers = [(request.grammar.matcher, i) for i, request in enumerate(requests)]
+        grammars = [request.grammar for request in requests]
+        assert all(g is not None for g in grammars)  # start() picks constrained rows only
+        matchers = [(g.matcher, i) for i, g in enumerate(grammars) if g is not None]
         llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
         allowed = np.unpackbits(
             bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little"
         )
-        errors = [request.grammar.error for request in requests]
+        errors = [g.error if g is not None else None for g in grammars]
         # An empty mask would turn the row's softmax into NaNs: fail the request instead.
         for i in np.flatnonzero(~allowed.any(axis=1)):
             errors[i] = errors[i] or NO_TOKEN_ALLOWED

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from once.engine.grammar import RequestGrammar
 from once.protocol.engine import GenerateRequest, RequestMetrics
 
 
@@ -30,7 +31,7 @@ class Request:
         # Speculative decoding: ids drafted for this step (never part of all_token_ids
         # until accepted) and, for a sampling drafter, the (k, vocab) probs they came from.
         self.draft_token_ids: list[int] = []
-        self.draft_probs = None
+        self.draft_probs: torch.Tensor | None = None
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_token_ids = set(request.sampling.stop_token_ids)
@@ -43,7 +44,7 @@ class Request:
         self.max_output_tokens = min(max_tokens, max_len - len(self.prompt_token_ids))
         # Structured outputs: the request's grammar matcher (grammar.RequestGrammar), set
         # by the engine at admission; None when free or forced (forced ids bypass it).
-        self.grammar = None
+        self.grammar: RequestGrammar | None = None  # a constraint's matcher (grammar.py)
         self.generator: torch.Generator | None = None
         if request.sampling.seed is not None and not request.sampling.greedy:
             self.generator = torch.Generator().manual_seed(request.sampling.seed)
@@ -122,7 +123,7 @@ class Request:
             m.queue_s = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             m.ttft_s = self.first_token_time - self.arrival_time
-            if m.num_output_tokens > 1:
+            if m.num_output_tokens > 1 and self.last_token_time is not None:
                 m.mean_token_latency_s = (self.last_token_time - self.first_token_time) / (
                     m.num_output_tokens - 1
                 )

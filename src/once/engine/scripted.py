@@ -176,6 +176,7 @@ class ScriptedEngine:
     # -- internals ----------------------------------------------------------------------
 
     def _plan_output(self, request: GenerateRequest) -> tuple[list[int], str]:
+        candidate: Sequence[int]
         if request.forced_output_ids is not None:
             candidate = request.forced_output_ids
         elif self.script is None:

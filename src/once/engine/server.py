@@ -131,7 +131,7 @@ class _EngineStream:
         self.engine = engine
         self.metrics = metrics
         self.request_id = request_id
-        self.deltas: AsyncIterator[TokenDelta] | None = None
+        self.deltas: AsyncIterator[TokenDelta] = _no_deltas()
         self.finished = False
 
     async def first_delta(self, request: GenerateRequest) -> TokenDelta:
@@ -146,7 +146,7 @@ class _EngineStream:
         while True:
             if delta.finished:
                 self.finished = True
-                self.metrics.observe_finished(delta.finish_reason, delta.metrics)
+                self.metrics.observe_finished(delta.finish_reason or FINISH_ERROR, delta.metrics)
             yield (json.dumps(delta.to_dict()) + "\n").encode()
             if self.finished:
                 return
@@ -155,12 +155,12 @@ class _EngineStream:
             except OnceError as err:
                 delta = TokenDelta(self.request_id, [], FINISH_ERROR, error=err.to_dict())
             except StopAsyncIteration:
-                err = OnceError("engine ended the stream without a finish reason")
-                delta = TokenDelta(self.request_id, [], FINISH_ERROR, error=err.to_dict())
+                ended = OnceError("engine ended the stream without a finish reason")
+                delta = TokenDelta(self.request_id, [], FINISH_ERROR, error=ended.to_dict())
             except Exception as exc:
                 logger.exception("engine failed request %s", self.request_id)
-                err = OnceError(f"engine error: {type(exc).__name__}: {exc}")
-                delta = TokenDelta(self.request_id, [], FINISH_ERROR, error=err.to_dict())
+                failed = OnceError(f"engine error: {type(exc).__name__}: {exc}")
+                delta = TokenDelta(self.request_id, [], FINISH_ERROR, error=failed.to_dict())
 
     async def close(self) -> None:
         # Shielded: on client disconnect we run inside a cancelled scope, and the abort
@@ -260,3 +260,9 @@ def build_engine_app(engine: EngineClient, *, model_name: str) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _no_deltas() -> AsyncIterator[TokenDelta]:
+    # The stream before `start`: nothing (start replaces it with the engine's).
+    return
+    yield

@@ -10,8 +10,9 @@ import torch
 
 # Small enough to run a forward pass in a millisecond; big enough for GQA (4 heads share
 # 2 KV heads), 2 layers (cache bugs between layers show) and a vocab that tests can sample.
+TINY_VOCAB_SIZE = 256
 TINY_CONFIG: dict[str, object] = {
-    "vocab_size": 256,
+    "vocab_size": TINY_VOCAB_SIZE,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -99,7 +100,7 @@ class _ByteVocabulary:
         return [b for b in text if b > 2]
 
 
-def byte_grammar_tokenizer(vocab_size: int = TINY_CONFIG["vocab_size"], eos_token_id: int = 2):
+def byte_grammar_tokenizer(vocab_size: int = TINY_VOCAB_SIZE, eos_token_id: int = 2):
     """The grammar tokenizer of a tiny model (which has no tokenizer of its own): every id
     above 2 is one byte, so a constraint's text is its ids. Pass it to LLMEngine as
     `grammar_tokenizer` (a factory)."""

@@ -72,7 +72,12 @@ class OutputConstraint:
     def from_dict(cls, data: dict) -> "OutputConstraint":
         if not isinstance(data, dict):
             raise InvalidRequestError("constraint must be an object", param="constraint")
-        return cls(kind=data.get("kind"), text=data.get("text", ""))
+        kind, text = data.get("kind"), data.get("text", "")
+        if not isinstance(kind, str) or not isinstance(text, str):
+            raise InvalidRequestError(
+                "constraint kind and text must be strings", param="constraint.kind"
+            )
+        return cls(kind=kind, text=text)
 
 
 @dataclass(frozen=True)

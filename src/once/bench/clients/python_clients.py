@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 API_KEY = "sk-once-client-test"
 
@@ -20,7 +21,7 @@ def list_files(workspace: Path) -> str:
     return "\n".join(sorted(p.name for p in workspace.iterdir()))
 
 
-LIST_FILES_TOOL = {
+LIST_FILES_TOOL: Any = {
     "type": "function",
     "name": "list_files",
     "description": "List the files of the workspace.",
@@ -59,7 +60,7 @@ async def openai_chat(base_url: str, workspace: Path, model: str) -> str:
     """Chat Completions with a tool, streamed with the SDK's helper, parallel calls allowed."""
     import openai
 
-    tool = {
+    tool: Any = {
         "type": "function",
         "function": {k: v for k, v in LIST_FILES_TOOL.items() if k not in ("type", "strict")},
     }
@@ -85,7 +86,7 @@ async def anthropic_messages(base_url: str, workspace: Path, model: str) -> str:
     """The Messages API with a tool, streamed, tool_use answered by tool_result."""
     import anthropic
 
-    tool = {
+    tool: Any = {
         "name": "list_files",
         "description": LIST_FILES_TOOL["description"],
         "input_schema": {"type": "object", "properties": {}},

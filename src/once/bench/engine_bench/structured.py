@@ -122,12 +122,13 @@ def run_round(free: Arm, constrained: Arm, prompts, tag: str) -> list[tuple[floa
     constrained.start(prompts, f"json-{tag}")
     pairs, turn = [], 0
     while free.engine.has_unfinished_requests() or constrained.engine.has_unfinished_requests():
-        times = {}
+        times: dict[int, float | None] = {}
         for arm in (free, constrained) if turn % 2 == 0 else (constrained, free):
             times[id(arm)] = arm.step() if arm.engine.has_unfinished_requests() else None
         turn += 1
-        if times[id(free)] is not None and times[id(constrained)] is not None:
-            pairs.append((times[id(free)], times[id(constrained)]))
+        free_s, constrained_s = times[id(free)], times[id(constrained)]
+        if free_s is not None and constrained_s is not None:
+            pairs.append((free_s, constrained_s))
     return pairs
 
 
@@ -140,7 +141,8 @@ def _valid(tokenizer, output: list[int], schema: dict) -> bool:
 
 
 def run_structured_benchmark(options: StructuredOptions, log=None) -> dict:
-    from once.engine.loader import load_tokenizer, resolve_model_path
+    from once.engine.loader import resolve_model_path
+    from once.model_files import load_tokenizer
 
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     cpu_start = report.cpu_snapshot()
