@@ -9,7 +9,8 @@ import pytest
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.loader import load_tokenizer, resolve_model_path
+from once.engine.loader import resolve_model_path
+from once.model_files import load_tokenizer
 from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
 from once.protocol.errors import InvalidRequestError
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from once.gateway.aliases import ModelAliases
 from once.gateway.auth import KeyRing, Tenant
 from once.gateway.capacity import CpuCostMeter
+from once.gateway.constraints import output_constraint
 from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
 from once.gateway.generation import EventBatch, Generation
 from once.gateway.metrics import GatewayMetrics
@@ -255,6 +256,7 @@ class ResponsePipeline:
             max_tokens=min(request.max_output_tokens or room, room),
             stop_token_ids=tuple(sorted(model.builder.eos_ids)),
             seed=request.seed,
+            constraint=output_constraint(request, prepared.items or prepared.new_items),
         )
 
     async def _save(self, prepared: Prepared, final: FinalSave, encoder: EventEncoder) -> None:

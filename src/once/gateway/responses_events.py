@@ -55,7 +55,7 @@ class ResponsesEncoder:
             "prompt_cache_key": request.prompt_cache_key,
             "store": request.store,
             "temperature": 1.0 if request.temperature is None else request.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": request.text_format_spec or {"type": "text"}},
             "tool_choice": request.tool_choice,
             "tools": list(request.tools),
             "top_p": 1.0 if request.top_p is None else request.top_p,

@@ -11,12 +11,15 @@ import binascii
 import io
 
 from once.gateway.aliases import ModelAliases
+from once.gateway.constraints import callable_tools, forced_names
 from once.gateway.model import ModelRuntime
 from once.gateway.tool_items import OUTPUT_TYPES, output_item_text
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
 from once.protocol.responses import MESSAGE, ResponsesRequest, message_text
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+TEXT_FORMATS = ("text", "json_schema", "json_object")
+FORCEABLE_CHOICES = ("function", "custom", "allowed_tools")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 
 
@@ -31,18 +34,18 @@ def check_semantics(
             f"(available: {', '.join(sorted(models))})",
             param="model",
         )
-    choice = request.tool_choice
-    if choice not in ("auto", "none"):
-        raise InvalidRequestError(
-            "only tool_choice 'auto' and 'none' are supported (forcing a call needs "
-            "constrained decoding, which this server does not do)",
-            param="tool_choice",
-        )
+    check_tool_choice(request)
     if request.background:
         raise InvalidRequestError("background responses are not supported", param="background")
-    if request.text_format != "text":
+    if request.text_format not in TEXT_FORMATS:
         raise InvalidRequestError(
             f"text.format {request.text_format!r} is not supported", param="text.format"
+        )
+    if request.text_format == "json_object" and not _mentions_json(request):
+        # OpenAI's own rule: without it a model may emit whitespace until the token limit.
+        raise InvalidRequestError(
+            "the input must contain the word 'json' to use text.format 'json_object'",
+            param="text.format",
         )
     if request.max_output_tokens is not None and request.max_output_tokens < 1:
         raise InvalidRequestError("max_output_tokens must be >= 1", param="max_output_tokens")
@@ -69,6 +72,32 @@ def check_semantics(
                     "file inputs are not supported", param=f"input[{i}].content[{j}]"
                 )
     return model
+
+
+def check_tool_choice(request: ResponsesRequest) -> None:
+    """A choice that forces a call needs tools it can name (constraints.py enforces it)."""
+    choice = request.tool_choice
+    if choice in ("auto", "none"):
+        return
+    if choice != "required" and not (
+        isinstance(choice, dict) and choice.get("type") in FORCEABLE_CHOICES
+    ):
+        raise InvalidRequestError(
+            f"tool_choice {choice!r} is not supported here (hosted tools have no backend)",
+            param="tool_choice",
+        )
+    tools = callable_tools(request.tools, request.input_items)
+    if not tools:
+        raise InvalidRequestError(
+            "tool_choice forces a call but there are no tools", param="tool_choice"
+        )
+    forced_names(choice, tools)  # raises for a name the request does not declare
+
+
+def _mentions_json(request: ResponsesRequest) -> bool:
+    texts = [request.instructions or ""]
+    texts += [message_text(i) for i in request.input_items if i["type"] == MESSAGE]
+    return any("json" in text.lower() for text in texts)
 
 
 def check_image(part: dict, param: str) -> None:

@@ -15,7 +15,7 @@ SDK's `CompletionCreateParams`, each message against the type its `role` names. 
   `{"type": "function", "name": ...}`.
 
 What the engine cannot do is refused with a 400 naming the param (`n` above 1, logprobs,
-penalties, logit bias, audio, JSON response formats until constrained decoding is wired);
+penalties, logit bias, audio); `response_format` becomes the Responses `text.format`;
 what changes nothing here is accepted and ignored (`user`, `store`, `service_tier`,
 `reasoning_effort`, `verbosity`, `safety_identifier`, `metadata` is kept).
 """
@@ -117,7 +117,17 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
         metadata=body.get("metadata"),
         stop=stops,
         seed=body.get("seed"),
+        **_text_format(body.get("response_format")),
     )
+
+
+def _text_format(response_format: dict | None) -> dict:
+    """Chat's `response_format` as the Responses API's `text.format`."""
+    kind = (response_format or {}).get("type", "text")
+    if kind != "json_schema":
+        return {"text_format": kind}
+    spec = (response_format or {}).get("json_schema") or {}
+    return {"text_format": kind, "text_format_spec": {"type": kind, **spec}}
 
 
 def include_usage(body: object) -> bool:
@@ -139,11 +149,6 @@ def _refuse_unsupported(body: dict) -> None:
             raise InvalidRequestError(f"{name!r} must be 0 or unset here", param=name)
     if "audio" in (body.get("modalities") or ()):
         raise InvalidRequestError("only text output is supported", param="modalities")
-    kind = (body.get("response_format") or {}).get("type", "text")
-    if kind != "text":
-        raise InvalidRequestError(
-            f"response_format {kind!r} is not supported yet", param="response_format.type"
-        )
 
 
 def _items(messages: list[dict]) -> tuple[str | None, tuple[dict, ...]]:

@@ -115,7 +115,15 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
         metadata={k: str(v) for k, v in (body.get("metadata") or {}).items() if v is not None},
         stop=stops,
         ignored_tools=tuple(ignored),
+        **_text_format((body.get("output_config") or {}).get("format")),
     )
+
+
+def _text_format(output_format: dict | None) -> dict:
+    """`output_config.format` (a JSON schema) as the Responses API's `text.format`."""
+    if not output_format or output_format.get("type") != "json_schema":
+        return {}
+    return {"text_format": "json_schema", "text_format_spec": dict(output_format)}
 
 
 def _check_sampling(body: dict) -> None:

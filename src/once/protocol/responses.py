@@ -52,7 +52,8 @@ class ResponsesRequest:
     generate: bool = True
     # Fields the server accepts but must refuse when set (checked semantically).
     background: bool = False
-    text_format: str = "text"
+    text_format: str = "text"  # text | json_schema | json_object
+    text_format_spec: dict | None = None  # the whole format object (schema, name, strict)
     # Chat Completions and Messages: stop strings, a sampling seed, top-k.
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -149,6 +150,7 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
         generate=body.get("generate") is not False,
         background=bool(body.get("background")),
         text_format=((text.get("format") or {}).get("type") or "text"),
+        text_format_spec=text.get("format"),
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from once.bench.clients import node_clients, python_clients
-from once.bench.clients.scripted import client_gateway, tool_call_block
+from once.bench.clients.scripted import TOOL_RESULT_MARK, client_gateway, tool_call_block
 from once.gateway.model import ModelRuntime
 
 FINAL = "I listed the files: hello.txt is among them."
@@ -37,6 +37,7 @@ class ClientCase:
     final_text: str = FINAL
     streams: bool = True
     aliases: tuple[str, ...] = ()
+    result_mark: str = TOOL_RESULT_MARK
 
 
 @dataclass
@@ -129,7 +130,7 @@ CASES = [
     ClientCase("smolagents", tool_call_block("list_workspace", arguments={}), "hello.txt",
                _python(python_clients.smolagents),
                final_text=tool_call_block("final_answer", arguments={"answer": FINAL}),
-               streams=False),
+               streams=False, result_mark="<|im_start|>user\nObservation:"),
 ]  # fmt: skip
 CASES_BY_NAME = {case.name: case for case in CASES}
 
@@ -140,7 +141,9 @@ async def run_case(case: ClientCase, runtime: ModelRuntime) -> ClientResult:
     finished = False
     with tempfile.TemporaryDirectory(prefix=f"once-{case.name}-") as folder:
         workspace = python_clients.git_workspace(Path(folder) / "repo")
-        async with client_gateway(runtime, case.call_text, case.final_text, case.aliases) as gw:
+        async with client_gateway(
+            runtime, case.call_text, case.final_text, case.aliases, case.result_mark
+        ) as gw:
             try:
                 await case.run(gw.url, workspace)
                 finished = True

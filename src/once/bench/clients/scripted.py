@@ -3,7 +3,9 @@
 The engine answers by what the prompt holds, not by turn number, so clients that warm up,
 retry or send side requests (a title, a compaction) still get the right answer: while no
 tool result is in the prompt, the client's tool call (written as the prompt tells the
-model to, `<tool_call>` blocks); after one, the final text. `ClientGateway` serves it on a
+model to, `<tool_call>` blocks); after one, the final text. A tool result shows as a
+`<tool_response>` turn, or as the client writes it when it writes its own (smolagents
+sends its observations as user text). `ClientGateway` serves it on a
 loopback port, with the client's model names aliased to the served model, and tells
 afterwards what reached the gateway: requests by outcome, whether a tool result came back.
 """
@@ -31,7 +33,9 @@ def tool_call_block(name: str, **payload) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, **payload}) + "\n</tool_call>"
 
 
-def round_trip_engine(runtime: ModelRuntime, call_text: str, final_text: str) -> ScriptedEngine:
+def round_trip_engine(
+    runtime: ModelRuntime, call_text: str, final_text: str, result_mark: str = TOOL_RESULT_MARK
+) -> ScriptedEngine:
     eos = runtime.tokenizer.eos_token_id
     call_ids = runtime.builder.encode(call_text) + [eos]
     final_ids = runtime.builder.encode(final_text) + [eos]
@@ -39,7 +43,7 @@ def round_trip_engine(runtime: ModelRuntime, call_text: str, final_text: str) ->
 
     def reply(request) -> list[int]:
         prompt = decode(list(request.prompt_token_ids), skip_special_tokens=False)
-        return final_ids if TOOL_RESULT_MARK in prompt else call_ids
+        return final_ids if result_mark in prompt else call_ids
 
     return ScriptedEngine(reply, eos_token_id=eos, max_model_len=MAX_MODEL_LEN)
 
@@ -50,6 +54,7 @@ class ClientGateway:
     gateway: ResponsePipeline
     engine: ScriptedEngine
     runtime: ModelRuntime
+    result_mark: str = TOOL_RESULT_MARK  # how a tool's result shows in the prompt
 
     def outcomes(self) -> dict[str, int]:
         """Responses by outcome (`response.completed`, `error`, ...), every transport."""
@@ -66,7 +71,7 @@ class ClientGateway:
         decode = self.runtime.tokenizer.backend_tokenizer.decode
         for request in self.engine.requests:
             prompt = decode(list(request.prompt_token_ids), skip_special_tokens=False)
-            start = prompt.rfind(TOOL_RESULT_MARK)
+            start = prompt.rfind(self.result_mark)
             if start != -1 and marker in prompt[start:]:
                 return True
         return False
@@ -74,11 +79,15 @@ class ClientGateway:
 
 @contextlib.asynccontextmanager
 async def client_gateway(
-    runtime: ModelRuntime, call_text: str, final_text: str, aliases: tuple[str, ...] = ()
+    runtime: ModelRuntime,
+    call_text: str,
+    final_text: str,
+    aliases: tuple[str, ...] = (),
+    result_mark: str = TOOL_RESULT_MARK,
 ) -> AsyncIterator[ClientGateway]:
     runtime = replace(runtime, max_model_len=MAX_MODEL_LEN)
-    engine = round_trip_engine(runtime, call_text, final_text)
+    engine = round_trip_engine(runtime, call_text, final_text, result_mark)
     table = {**default_table(runtime.name), **{name: runtime.name for name in aliases}}
     config = GatewayConfig(store="memory", verify_every=1, aliases=table)
     async with serve_gateway(runtime, engine, config) as (url, gateway):
-        yield ClientGateway(url, gateway, engine, runtime)
+        yield ClientGateway(url, gateway, engine, runtime, result_mark)
