@@ -162,7 +162,8 @@ async def test_a_stop_string_cuts_the_text_and_the_engine_request(runtime):
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": []}, "messages"),
         ({"model": "gpt-9"}, "model"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}}, "messages"),  # OpenAI's "json" rule
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ],
 )
 async def test_a_refused_request_names_its_param_and_the_server_keeps_serving(

@@ -89,7 +89,7 @@ async def test_chat_response_format_and_messages_output_config_are_json_constrai
             refused = await http.post(
                 "/chat/completions", json={**chat, "response_format": json_object}
             )
-            assert refused.json()["error"]["param"] == "text.format"  # no "json" in the input
+            assert refused.json()["error"]["param"] == "messages"  # no "json" in the input
             messages = {
                 "model": MODEL,
                 "max_tokens": 32,

@@ -49,9 +49,12 @@ class ModelAliases:
                 return target
         return None
 
-    def listed(self) -> list[tuple[str, str]]:
-        """(model id, served model) for /v1/models: served models, then exact aliases."""
-        return [(name, name) for name in self.served] + sorted(self.exact.items())
+    def by_served(self) -> dict[str, list[str]]:
+        """Each served model's aliases (exact names, then patterns), for /v1/models."""
+        table: dict[str, list[str]] = {}
+        for name, target in [*sorted(self.exact.items()), *self.patterns]:
+            table.setdefault(target, []).append(name)
+        return table
 
 
 def _is_pattern(name: str) -> bool:

@@ -76,10 +76,13 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
+        # The served models, each with the client names that reach it.
+        aliases = pipeline.aliases.by_served()
         data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "once", "served_as": served}
-            for name, served in pipeline.aliases.listed()
-        ]
+            {"id": name, "object": "model", "created": 0, "owned_by": "once",
+             "aliases": aliases.get(name, [])}
+            for name in pipeline.models
+        ]  # fmt: skip
         return {"object": "list", "data": data}
 
     @app.get("/healthz")

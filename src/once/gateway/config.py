@@ -25,7 +25,7 @@ class GatewayConfig:
     # Stateless clients' conversation states (prefix_states.py): at most this many, holding
     # at most stateless_tokens ids in all; 0 states: every stateless request renders in full.
     stateless_states: int = 512
-    stateless_tokens: int = 8_000_000
+    stateless_tokens: int = 2_000_000  # ~36 bytes an id as Python ints: ~72 MB at most
     stream_interval_s: float = 0.002  # tokens closer together than this share an event batch
     safety: dict = field(default_factory=dict)  # one model's [safety] table; {}: off
     # [gateway.aliases]: client model name or glob -> served model; None: the defaults

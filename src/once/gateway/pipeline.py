@@ -35,7 +35,7 @@ from once.gateway.generation import EventBatch, Generation
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED
-from once.gateway.prefix_states import PrefixStates, chain
+from once.gateway.prefix_states import PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.store import ResponseStore
@@ -292,18 +292,16 @@ class ResponsePipeline:
     ) -> list[tuple[bytes, ConversationState]]:
         """A stateless request's two states (prefix_states.py): its prompt's context, and
         the prompt plus the sampled ids under the hash of the reply sent back unchanged."""
-        hashes = prepared.chain_hashes
-        if not hashes:
-            return []
         built = prepared.built
-        states = [(hashes[-1], ConversationState(built.render_key, list(built.context_ids), False))]
-        reply = prepared.model.renderer.item_messages(prepared.output.items)
-        last = prepared.model.renderer.item_messages(prepared.new_items[-1:])
-        opens_a_turn = not last or last[-1]["role"] != "assistant"
-        if final.output_ids and len(reply) == 1 and opens_a_turn:
-            key = chain(hashes[-1], reply)[0]
-            states.append((key, ConversationState(built.render_key, final.token_ids, True)))
-        return states
+        return states_after_response(
+            prepared.model.renderer,
+            prepared.chain_hashes or [],
+            built.render_key,
+            list(built.context_ids),
+            final.token_ids if final.output_ids else list(built.context_ids),
+            prepared.output.items,
+            prepared.new_items[-1:],
+        )
 
     def _start_verification(self, prepared: Prepared) -> asyncio.Task[bool] | None:
         task = self.preparer.start_verification(prepared)

@@ -4,7 +4,7 @@ A stateless client (Chat Completions, Messages, a Responses client resending its
 input) sends every turn the whole conversation again. Each conversation's state after a
 response is kept under a hash chain over its rendered messages:
 
-    h0 = H(tenant, render key)      h(k+1) = H(h(k), canonical JSON of message k)
+    h0 = H(tenant, render key)      h(k+1) = H(h(k), message k: role NUL text, or its JSON)
 
 so a request whose messages extend a kept conversation finds the longest kept prefix by
 hashing its own messages (no tokenization) and tokenizes only the messages after it.
@@ -15,12 +15,13 @@ sends back when it keeps the reply unchanged. A client that changed the reply's 
 the reply is tokenized from its text as a full render would.
 
 Bounded: least recently used states go first past `max_states` or `max_tokens` in all.
-Token ids are kept as 4-byte arrays. Tenants never share states: the tenant seeds the
-chain.
+The ids are kept as the lists they are, handed out without a copy (the continuation
+builds its prompt as a new list): converting a compact array back costs ~0.3 ms for a 15k
+token conversation, a fifth of the whole stateless path. Tenants never share states: the
+tenant seeds the chain.
 """
 
 import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,17 +38,73 @@ def chain(seed: bytes, messages: Sequence[dict]) -> list[bytes]:
     """hashes[k]: the hash of the conversation made of messages[:k + 1]."""
     hashes, current = [], seed
     for message in messages:
-        current = hashlib.blake2b(
-            current + canonical_json(message).encode(), digest_size=16
-        ).digest()
+        digest = hashlib.blake2b(current, digest_size=16)
+        digest.update(_message_bytes(message))
+        current = digest.digest()
         hashes.append(current)
     return hashes
+
+
+def _message_bytes(message: dict) -> bytes:
+    # The common message, a role and a string, without a JSON dump of its (long) text;
+    # the NUL cannot occur in a role, so the split is unambiguous.
+    if len(message) == 2 and isinstance(message.get("content"), str) and "role" in message:
+        return f"{message['role']}\x00{message['content']}".encode()
+    return canonical_json(message).encode()
+
+
+@dataclass
+class StatelessLookup:
+    """A stateless request against the kept states: its messages' hashes and, when a prefix
+    is kept, that state, the items after it, and the key it was kept under."""
+
+    hashes: list[bytes]
+    state: ConversationState | None = None
+    new_items: Sequence[dict] = ()
+    used_key: bytes | None = None
+
+
+def find_prefix(
+    states: "PrefixStates", renderer, tenant: str, render_key: str, items: Sequence[dict]
+) -> StatelessLookup:
+    """Hash the request's messages (no tokenization) and find its longest kept prefix."""
+    spans = renderer.message_spans(items)
+    hashes = chain(chain_seed(tenant, render_key), [message for message, _ in spans])
+    match = states.longest(hashes)
+    if match is None:
+        return StatelessLookup(hashes, new_items=items)
+    end = spans[match.num_messages - 1][1]
+    return StatelessLookup(hashes, match.state, items[end:], hashes[match.num_messages - 1])
+
+
+def states_after_response(
+    renderer,
+    hashes: Sequence[bytes],
+    render_key: str,
+    context_ids: list[int],
+    token_ids: list[int],
+    output_items: Sequence[dict],
+    last_input_item: Sequence[dict],
+) -> list[tuple[bytes, ConversationState]]:
+    """A stateless request's two states: its prompt's context (its messages closed), and
+    the prompt plus the sampled ids (`token_ids`) under the hash of the reply a client
+    sends back unchanged (when the prompt did not end inside an assistant turn)."""
+    if not hashes:
+        return []
+    states = [(hashes[-1], ConversationState(render_key, list(context_ids), False))]
+    reply = renderer.item_messages(output_items)
+    last = renderer.item_messages(last_input_item)
+    opens_a_turn = not last or last[-1]["role"] != "assistant"
+    if len(token_ids) > len(context_ids) and len(reply) == 1 and opens_a_turn:
+        key = chain(hashes[-1], reply)[0]
+        states.append((key, ConversationState(render_key, list(token_ids), True)))
+    return states
 
 
 @dataclass
 class _Kept:
     render_key: str
-    token_ids: array
+    token_ids: list[int]
     after_output: bool
 
 
@@ -58,7 +115,7 @@ class PrefixMatch:
 
 
 class PrefixStates:
-    def __init__(self, max_states: int = 512, max_tokens: int = 8_000_000):
+    def __init__(self, max_states: int = 512, max_tokens: int = 2_000_000):
         self.max_states = max_states
         self.max_tokens = max_tokens
         self.num_tokens = 0
@@ -72,9 +129,7 @@ class PrefixStates:
             kept = self._states.get(hashes[k])
             if kept is not None:
                 self._states.move_to_end(hashes[k])
-                state = ConversationState(
-                    kept.render_key, kept.token_ids.tolist(), kept.after_output
-                )
+                state = ConversationState(kept.render_key, kept.token_ids, kept.after_output)
                 return PrefixMatch(state, k + 1)
         return None
 
@@ -82,7 +137,7 @@ class PrefixStates:
         old = self._states.pop(key, None)
         if old is not None:
             self.num_tokens -= len(old.token_ids)
-        ids = array("I", state.token_ids)
+        ids = state.token_ids
         if len(ids) > self.max_tokens:
             return
         self._states[key] = _Kept(state.render_key, ids, state.after_output)

@@ -24,7 +24,7 @@ from once.gateway.conversation import ConnectionCache, Conversations
 from once.gateway.metrics import AddedTime, GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import OutputBuilder, new_id
-from once.gateway.prefix_states import chain, chain_seed
+from once.gateway.prefix_states import find_prefix
 from once.gateway.render import NotIncrementalError
 from once.gateway.tokens import INCREMENTAL, BuiltPrompt, ConversationState, render_key
 from once.protocol.errors import ContextLengthExceededError
@@ -110,13 +110,11 @@ class PromptPreparer:
             # Stateless: the request holds the whole conversation; a kept state of its
             # longest known prefix saves tokenizing that prefix again.
             items = tuple(request.input_items)
-            spans = model.renderer.message_spans(items)
-            chain_hashes = chain(chain_seed(tenant.name, key), [m for m, _ in spans])
-            match = self.conversations.prefix_states.longest(chain_hashes)
-            if match is not None:
-                state = match.state
-                new_items = items[spans[match.num_messages - 1][1] :]
-                used_prefix_key = chain_hashes[match.num_messages - 1]
+            lookup = find_prefix(
+                self.conversations.prefix_states, model.renderer, tenant.name, key, items
+            )
+            chain_hashes, state, used_prefix_key = lookup.hashes, lookup.state, lookup.used_key
+            new_items = tuple(lookup.new_items)
         built = None
         if state is not None and state.render_key == key:
             try:

@@ -28,6 +28,7 @@ from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE
 from once.protocol.schema import validate
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _REFUSED_WHEN_SET = ("audio", "prediction", "function_call", "functions", "logit_bias")
 _ZERO_OR_UNSET = ("frequency_penalty", "presence_penalty")
 
@@ -73,6 +74,13 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
         raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
     if not isinstance(tools, list):
         raise InvalidRequestError("'tools' must be a list", param="tools")
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in RESPONSE_FORMATS:
+        raise InvalidRequestError(
+            f"response_format type {response_format.get('type')!r} is not one of "
+            f"{', '.join(RESPONSE_FORMATS)}",
+            param="response_format.type",
+        )
     top = {k: v for k, v in body.items() if k not in ("messages", "tools")}
     validate(_adapter("body"), {**top, "messages": []}, strict=True)
     _refuse_unsupported(body)
@@ -92,6 +100,13 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
             )
         validate(_adapter("function"), tool, f"tools[{i}]", strict=True)
     instructions, items = _items(messages)
+    if (body.get("response_format") or {}).get("type") == "json_object" and not any(
+        "json" in _text(m.get("content")).lower() for m in messages
+    ):
+        raise InvalidRequestError(
+            "'messages' must contain the word 'json' to use response_format 'json_object'",
+            param="messages",
+        )
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")

@@ -83,6 +83,10 @@ def run_benchmark(args) -> dict:
             "incremental_tokenize_speedup_median"
         ],
         "incremental_ids_identical": results["tokenization"]["incremental_ids_identical"],
+        "stateless_incremental_tokenize_speedup_median": results["tokenization"][
+            "stateless_incremental_tokenize_speedup_median"
+        ],
+        "stateless_ids_identical": results["tokenization"]["stateless_ids_identical"],
         "ws_bytes_ratio": ws_ratio,
         "safety_ttft_added_fraction": results.get("safety", {}).get("safety_ttft_added_fraction"),
         "tls_handshake_ms_saved_per_call": results.get("tls", {}).get(
@@ -113,6 +117,9 @@ def print_report(result: dict) -> None:
         f"  incremental tokenization speedup, median: "
         f"{result['incremental_tokenize_speedup_median']:.1f}x (bar >= 20); identical ids: "
         f"{result['incremental_ids_identical']}",
+        f"  stateless clients (whole conversation resent), median speedup: "
+        f"{result['stateless_incremental_tokenize_speedup_median']:.1f}x (bar >= 20); identical "
+        f"ids: {result['stateless_ids_identical']}",
         f"  client bytes HTTP / WebSocket, median per source: {ratio} (bar >= 25 mini-swe-agent)",
     ]
     if result["safety_ttft_added_fraction"] is not None:

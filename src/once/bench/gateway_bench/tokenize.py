@@ -9,7 +9,12 @@ the same role's chat) are replayed through the gateway's `PromptBuilder`:
   the output tokenized canonically and ended with eos, as a model that stops would),
   render and tokenize only call k's new items.
 
-Both are timed (best of `repeats`), and the ids compared. The rule where the history is
+- stateless: what a client that resends the whole conversation costs (Chat Completions,
+  Messages, a stateless Responses client): the states kept after call j
+  (prefix_states.py), then call k's whole input hashed by messages, its longest kept
+  prefix found, and only what follows it rendered and tokenized.
+
+Each is timed (best of `repeats`), and the ids compared. The rule where the history is
 not append-only (SWE-agent 1.0's elided tool outputs, a dropped failed reply): the
 gateway receives a full request and renders it in full, so once and a naive stack do
 the same work there; those calls are reported with their reason, outside the median.
@@ -20,7 +25,10 @@ import time
 
 from once.bench.payloads import chains, full_request_reason, session_requests
 from once.bench.traces import load_sessions
+from once.gateway.prefix_states import PrefixStates, find_prefix, states_after_response
 from once.gateway.tokens import ConversationState, render_key
+
+TENANT = "bench"
 
 
 def _best_of(repeats: int, fn, *args):
@@ -57,6 +65,10 @@ def measure_session(session, runtime, repeats: int = 5) -> dict:
         repeats, builder.full, key, request.get("instructions"), tools, request["input"]
     )
     incremental_s, incremental = _best_of(repeats, builder.continuation, state, tools, new_items)
+    states = _states_after(runtime, key, prev_built, state.token_ids, prev_request, prev_output)
+    stateless_s, stateless = _best_of(
+        repeats, _stateless, runtime, states, key, tools, request["input"]
+    )
     return {
         **row,
         "incremental": True,
@@ -66,7 +78,32 @@ def measure_session(session, runtime, repeats: int = 5) -> dict:
         "incremental_ms": 1000 * incremental_s,
         "speedup": full_s / incremental_s,
         "identical": incremental.prompt_ids == full.prompt_ids,
+        "stateless_ms": 1000 * stateless_s,
+        "stateless_speedup": full_s / stateless_s,
+        "stateless_identical": stateless.prompt_ids == full.prompt_ids,
     }
+
+
+def _states_after(runtime, key, prev_built, token_ids, prev_request, prev_output):
+    """The states the gateway keeps after call j (its response is done, before call k)."""
+    states = PrefixStates()
+    renderer = runtime.renderer
+    hashes = find_prefix(states, renderer, TENANT, key, prev_request["input"]).hashes
+    kept = states_after_response(
+        renderer, hashes, key, prev_built.context_ids, token_ids, prev_output,
+        prev_request["input"][-1:],
+    )  # fmt: skip
+    for state_key, state in kept:
+        states.put(state_key, state)
+    return states
+
+
+def _stateless(runtime, states, key, tools, items):
+    """The gateway's stateless path for call k's whole input: hash, find, continue."""
+    lookup = find_prefix(states, runtime.renderer, TENANT, key, items)
+    if lookup.state is None:
+        raise RuntimeError("no kept prefix for an append-only call")
+    return runtime.builder.continuation(lookup.state, tools, lookup.new_items)
 
 
 def run(runtime, repeats: int = 5, limit: int | None = None) -> dict:
@@ -78,6 +115,10 @@ def run(runtime, repeats: int = 5, limit: int | None = None) -> dict:
         "incremental_sessions": len(measured),
         "incremental_tokenize_speedup_median": statistics.median(speedups) if speedups else 0.0,
         "incremental_ids_identical": all(r["identical"] for r in measured),
+        "stateless_incremental_tokenize_speedup_median": (
+            statistics.median(r["stateless_speedup"] for r in measured) if measured else 0.0
+        ),
+        "stateless_ids_identical": all(r["stateless_identical"] for r in measured),
         "not_incremental": {r["session_id"]: r["reason"] for r in rows if not r["incremental"]},
         "rows": rows,
     }
