@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from once.gateway.output import (
-    FunctionCallEmitted,
+    ItemEmitted,
     MessageClosed,
     MessageOpened,
     OutputBuilder,
@@ -108,7 +108,7 @@ def test_output_events_come_in_order_with_copies_of_the_items():
         OutputTextDelta,
         OutputTextDelta,
         MessageClosed,
-        FunctionCallEmitted,
+        ItemEmitted,
         ResponseFinished,
     ]
     opened, closed, call = events[1], events[4], events[5]

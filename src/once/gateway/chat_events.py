@@ -12,7 +12,7 @@ is a chunk holding an OpenAI-style `error` (as vLLM sends it). The SSE stream en
 from once.gateway.output import (
     FAILED,
     INCOMPLETE,
-    FunctionCallEmitted,
+    ItemEmitted,
     OutputEvent,
     OutputTextDelta,
     ResponseFinished,
@@ -75,7 +75,7 @@ class ChatCompletionsEncoder:
                 wire.append(self._chunk({"content": event.text}))
             elif isinstance(event, ResponseStarted):
                 wire.append(self._chunk({"role": "assistant", "content": "", "refusal": None}))
-            elif isinstance(event, FunctionCallEmitted):
+            elif isinstance(event, ItemEmitted) and event.item["type"] == "function_call":
                 wire.append(self._chunk({"tool_calls": [self._tool_call(event.item)]}))
             elif isinstance(event, ResponseFinished):
                 wire.extend(self._finished(event))

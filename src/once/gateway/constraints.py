@@ -18,7 +18,7 @@ of a replay bypass any constraint in the engine.
 import json
 from collections.abc import Sequence
 
-from once.gateway.tool_items import NAMESPACE_SEPARATOR, is_client_tool_search
+from once.gateway.tool_items import NAMESPACE_SEPARATOR, is_tool_search
 from once.protocol.engine import OutputConstraint
 from once.protocol.errors import InvalidRequestError
 from once.protocol.responses import ADDITIONAL_TOOLS, ResponsesRequest
@@ -40,7 +40,7 @@ def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[st
                 callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
         elif kind in ("function", "custom"):
             callable_[tool["name"]] = tool
-        elif is_client_tool_search(tool):
+        elif is_tool_search(tool):
             callable_["tool_search"] = {"type": "function", "name": "tool_search"}
     return callable_
 

@@ -7,6 +7,11 @@ events; it detokenizes (DecodeStream's algorithm, one decode per batch) and pars
 and a failed check ends the response with `content_filter` (the engine request aborted).
 The last batch holds `ResponseFinished`; `completed_normally` then says whether the
 conversation may be saved (not after a failure or a content filter).
+
+A call to a tool the gateway runs itself (a hosted tool, `runs_here`) ends this generation
+early instead: the call is emitted, the engine request aborted, and `pending_call` holds
+it with no `ResponseFinished`; the pipeline runs the tool and starts the next
+generation of the same response from a prompt that holds the call and its output.
 """
 
 import asyncio
@@ -19,6 +24,7 @@ from once.gateway.output import COMPLETED, FAILED, INCOMPLETE, OutputBuilder, Ou
 from once.gateway.prepare import Prepared
 from once.gateway.safety import SafetyVerdict
 from once.gateway.stops import StopMatcher
+from once.gateway.tokens import BuiltPrompt
 from once.gateway.tool_items import call_item, declared_types
 from once.gateway.toolcalls import TextDelta, ToolCallParsed, ToolCallStreamParser
 from once.gateway.validation import safety_texts
@@ -47,9 +53,16 @@ class Generation:
         *,
         stream_interval_s: float,
         keep_until_done: Callable[[asyncio.Task], None],
+        built: BuiltPrompt | None = None,
+        runs_here: Callable[[dict], bool] = lambda item: False,
+        usage_before: Usage = Usage(0, 0, 0),
     ):
         self.engine = engine
         self.prepared = prepared
+        self.built = built or prepared.built  # this step's prompt
+        self.runs_here = runs_here
+        self.usage_before = usage_before  # of the response's earlier steps
+        self.pending_call: dict | None = None
         self.sampling = sampling
         self.metrics = metrics
         self.stream_interval_s = stream_interval_s
@@ -74,15 +87,19 @@ class Generation:
         self.declared = declared_types(prepared.request.tools, known_items)
 
     def usage(self) -> Usage:
-        num_prompt = len(self.prepared.built.prompt_ids)
-        return Usage(num_prompt, self.cached_tokens, len(self.output_ids))
+        before = self.usage_before
+        return Usage(
+            before.input_tokens + len(self.built.prompt_ids),
+            before.cached_tokens + self.cached_tokens,
+            before.output_tokens + len(self.output_ids),
+        )
 
     async def events(self) -> AsyncIterator[EventBatch]:
         prepared = self.prepared
         yield self.output.started()
         engine_request = GenerateRequest(
             request_id=self.request_id,
-            prompt_token_ids=tuple(prepared.built.prompt_ids),
+            prompt_token_ids=tuple(self.built.prompt_ids),
             sampling=self.sampling,
             session_key=prepared.request.prompt_cache_key,
             cache_salt=prepared.tenant.name,
@@ -121,7 +138,7 @@ class Generation:
         held: EventBatch = []  # under `hold`: output waiting for the check to pass
         detok = IncrementalDetokenizer(
             self.model.tokenizer.backend_tokenizer,
-            prefix_ids=prepared.built.prompt_ids[-8:],
+            prefix_ids=self.built.prompt_ids[-8:],
         )
         parser = ToolCallStreamParser() if prepared.request.tool_choice != "none" else None
         self.started = time.perf_counter()
@@ -148,6 +165,12 @@ class Generation:
                 held.extend(events)
             else:
                 yield events
+        if self.pending_call is not None:  # a hosted call: the pipeline takes it from here
+            if self.check is not None and await self._check_failed():
+                yield self._filtered(bool(held) and hold)
+                return
+            yield held
+            return
         if self.check is not None:  # the output ended before the check did
             if await self._check_failed():
                 yield self._filtered(bool(held) and hold)
@@ -243,7 +266,7 @@ class Generation:
         if self.stops.matched is not None:
             self.finish_reason = FINISH_STOP  # the engine request is aborted on the way out
         events = self._text_events(text, parser) if text else []
-        return events, self.finish_reason is not None
+        return events, self.finish_reason is not None or self.pending_call is not None
 
     def _text_events(self, text: str, parser) -> EventBatch:
         if parser is None:
@@ -257,9 +280,15 @@ class Generation:
         if isinstance(parsed, TextDelta):
             return self.output.text(parsed.text) if parsed.text else []
         if isinstance(parsed, ToolCallParsed):
-            if self.output.num_function_calls and not self.prepared.request.parallel_tool_calls:
-                return []  # parallel_tool_calls=false: the first call only
+            if self.pending_call is not None:
+                return []  # past a hosted call: the next step writes what follows it
             item = call_item(parsed.name, parsed.arguments, parsed.input, self.declared)
+            if self.runs_here(item):
+                events = self.output.tool_call(item)
+                self.pending_call = self.output.items[-1]
+                return events
+            if self.output.num_client_calls and not self.prepared.request.parallel_tool_calls:
+                return []  # parallel_tool_calls=false: the first call only
             return self.output.tool_call(item)
         return self.output.text(parsed.raw)  # malformed: shown as the text it was
 

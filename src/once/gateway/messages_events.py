@@ -19,7 +19,7 @@ import json
 from once.gateway.output import (
     FAILED,
     INCOMPLETE,
-    FunctionCallEmitted,
+    ItemEmitted,
     MessageClosed,
     MessageOpened,
     OutputEvent,
@@ -74,7 +74,7 @@ class MessagesEncoder:
                 wire.append(self._block_event("content_block_start", content_block=block))
             elif isinstance(event, MessageClosed):
                 wire.append(self._block_event("content_block_stop"))
-            elif isinstance(event, FunctionCallEmitted):
+            elif isinstance(event, ItemEmitted) and event.item["type"] == "function_call":
                 wire.extend(self._tool_use(event.item))
             elif isinstance(event, ResponseFinished):
                 wire.extend(self._finished(event))

@@ -7,12 +7,14 @@ shape (a `message` with one `output_text` part, a `function_call`): that is what
 renderer reads back when the conversation continues, and what the store keeps.
 
 Order, always: `ResponseStarted`, then per item either `MessageOpened`, one or more
-`OutputTextDelta`, `MessageClosed`, or one `FunctionCallEmitted`; `ResponseFinished` last.
+`OutputTextDelta`, `MessageClosed`, or one `ItemEmitted`; `ResponseFinished` last.
 Events carry copies of the items, so an encoder may keep them.
 """
 
 import secrets
 from dataclasses import dataclass
+
+from once.gateway.tool_items import CALL_TYPES
 
 COMPLETED = "completed"
 INCOMPLETE = "incomplete"  # with a reason: max_output_tokens, content_filter, cancelled
@@ -71,9 +73,10 @@ class MessageClosed:
 
 
 @dataclass(frozen=True)
-class FunctionCallEmitted:
+class ItemEmitted:
     output_index: int
-    item: dict  # a complete call item of any kind (calls are parsed whole)
+    item: dict  # a complete item: a call of any kind (calls are parsed whole), or what a
+    # tool run by the gateway gave back (tool_search_output, mcp_list_tools, ...)
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ OutputEvent = (
     | MessageOpened
     | OutputTextDelta
     | MessageClosed
-    | FunctionCallEmitted
+    | ItemEmitted
     | ResponseFinished
 )
 
@@ -135,12 +138,24 @@ class OutputBuilder:
         item = {"id": new_id(prefix), "status": "completed", "call_id": new_id("call"), **fields}
         item = {"id": item["id"], "type": item["type"], **item}  # the SDK's key order
         self.items.append(item)
-        events.append(FunctionCallEmitted(len(self.items) - 1, dict(item)))
+        events.append(ItemEmitted(len(self.items) - 1, dict(item)))
+        return events
+
+    def hosted_items(self, items: list[dict]) -> list[OutputEvent]:
+        """Items a tool run by the gateway gave back, complete, with ids where they lack one."""
+        events = self._close_message(COMPLETED)
+        for item in items:
+            item = {"id": new_id(ID_PREFIXES.get(item["type"], "item")), **item}
+            self.items.append(item)
+            events.append(ItemEmitted(len(self.items) - 1, dict(item)))
         return events
 
     @property
-    def num_function_calls(self) -> int:
-        return sum(item["type"] != "message" for item in self.items)
+    def num_client_calls(self) -> int:
+        """Calls the client runs (not those of the gateway's hosted tools)."""
+        return sum(
+            item["type"] in CALL_TYPES and item.get("execution") != "server" for item in self.items
+        )
 
     def discard(self) -> None:
         """Drop everything produced so far (held output the input check refused)."""

@@ -32,14 +32,15 @@ from once.gateway.capacity import CpuCostMeter
 from once.gateway.constraints import output_constraint
 from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
 from once.gateway.generation import EventBatch, Generation
+from once.gateway.hosted import MAX_HOSTED_CALLS, HostedTools
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
-from once.gateway.output import COMPLETED
+from once.gateway.output import COMPLETED, Usage
 from once.gateway.prefix_states import PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.store import ResponseStore
-from once.gateway.tokens import ConversationState
+from once.gateway.tokens import BuiltPrompt, ConversationState
 from once.gateway.tool_items import hosted_tool_names
 from once.gateway.validation import check_semantics
 from once.gateway.warm_up import warm_up_events
@@ -97,10 +98,12 @@ class ResponsePipeline:
         websocket_max_age_s: float = 3600.0,
         aliases: ModelAliases | None = None,
         prefix_states: PrefixStates | None = None,
+        hosted: HostedTools | None = None,
     ):
         self.engine = engine
         self.models = models
         self.aliases = ModelAliases(models) if aliases is None else aliases
+        self.hosted = hosted or HostedTools()
         self.store = store
         self.metrics = metrics
         self.meter = meter
@@ -224,31 +227,50 @@ class ResponsePipeline:
                     context = list(prepared.built.context_ids)
                     yield batch, FinalSave(context, [], finished.status == COMPLETED)
             return
-        generation = Generation(
-            self.engine,
-            prepared,
-            self.sampling(prepared),
-            self.metrics,
-            stream_interval_s=self.stream_interval_s,
-            keep_until_done=self._keep_until_done,
-        )
         verification = self._start_verification(prepared)
-        async for batch in generation.events():
-            if prepared.output.finished is None:
-                yield batch, None
-                continue
-            self.meter.record("detokenize", generation.detok_cpu_s, len(generation.output_ids))
-            prepared.cpu_s += generation.detok_cpu_s
-            prepared.added.events_s += generation.detok_cpu_s
-            ids = generation.output_ids
-            token_ids = prepared.built.prompt_ids + ids
-            # Ids sampled past a stop string are not the text the client saw: not a state.
-            save = generation.completed_normally and generation.stops.matched is None
-            yield batch, FinalSave(token_ids, ids, save, verification)
+        runs_here = self.hosted.runs_here(prepared.request)
+        built, usage = prepared.built, Usage(0, 0, 0)
+        for num_hosted in range(MAX_HOSTED_CALLS + 1):
+            generation = Generation(
+                self.engine,
+                prepared,
+                self.sampling(prepared, built),
+                self.metrics,
+                stream_interval_s=self.stream_interval_s,
+                keep_until_done=self._keep_until_done,
+                built=built,
+                runs_here=runs_here if num_hosted < MAX_HOSTED_CALLS else lambda item: False,
+                usage_before=usage,
+            )
+            step_start = len(prepared.output.items)
+            async for batch in generation.events():
+                if prepared.output.finished is None:
+                    yield batch, None
+                    continue
+                self._record_detokenize(prepared, generation)
+                ids = generation.output_ids
+                # Ids sampled past a stop string are not the text the client saw: no state.
+                save = generation.completed_normally and generation.stops.matched is None
+                yield batch, FinalSave(built.prompt_ids + ids, ids, save, verification)
+            if generation.pending_call is None:
+                return
+            # A hosted call: run it, show its items, and go on from a prompt holding them.
+            self._record_detokenize(prepared, generation)
+            items = await self.hosted.run(generation.pending_call, prepared.request)
+            yield prepared.output.hosted_items(items), None
+            usage = generation.usage()
+            built = await self.preparer.next_step(
+                prepared, built, prepared.output.items[step_start:]
+            )
 
-    def sampling(self, prepared: Prepared) -> SamplingParams:
+    def _record_detokenize(self, prepared: Prepared, generation: Generation) -> None:
+        self.meter.record("detokenize", generation.detok_cpu_s, len(generation.output_ids))
+        prepared.cpu_s += generation.detok_cpu_s
+        prepared.added.events_s += generation.detok_cpu_s
+
+    def sampling(self, prepared: Prepared, built: BuiltPrompt | None = None) -> SamplingParams:
         request, model = prepared.request, prepared.model
-        room = model.max_model_len - len(prepared.built.prompt_ids)
+        room = model.max_model_len - len((built or prepared.built).prompt_ids)
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
@@ -280,7 +302,7 @@ class ResponsePipeline:
             api_object=encoder.api_object() if request.store else {},
             new_items=list(prepared.new_items),
             previous_response_id=request.previous_response_id,
-            prompt_token_ids=final.token_ids if not final.output_ids else built.prompt_ids,
+            prompt_token_ids=final.token_ids[: len(final.token_ids) - len(final.output_ids)],
             output_token_ids=final.output_ids,
             prefix_states=self._prefix_states(prepared, final),
             used_prefix_key=prepared.used_prefix_key,

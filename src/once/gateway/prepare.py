@@ -15,7 +15,7 @@ import asyncio
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -165,6 +165,28 @@ class PromptPreparer:
             chain_hashes=chain_hashes,
             used_prefix_key=used_prefix_key if built.mode == INCREMENTAL else None,
         )
+
+    async def next_step(
+        self, prepared: Prepared, built: BuiltPrompt, step_items: Sequence[dict]
+    ) -> BuiltPrompt:
+        """The prompt of a response's next step after a hosted call (hosted.py): the last
+        step's context (its prompt without the generation prompt) and the step's items."""
+        request, model = prepared.request, prepared.model
+        context = ConversationState(built.render_key, list(built.context_ids), False)
+        try:
+            step = await self._run_cpu(
+                _num_chars(step_items), model.builder.continuation, context, request.tools,
+                step_items,
+            )  # fmt: skip
+        except NotIncrementalError:
+            items = (prepared.items or prepared.new_items) + tuple(prepared.output.items)
+            step = await self._run_cpu(
+                _num_chars(items), model.builder.full, built.render_key, request.instructions,
+                request.tools, items,
+            )  # fmt: skip
+        _check_length(step, model)
+        self.metrics.record_build(step)
+        return step
 
     async def count_prompt_tokens(
         self, request: ResponsesRequest, tenant: Tenant, model: ModelRuntime

@@ -30,7 +30,7 @@ from once.gateway.tool_items import (
     TOOL_SEARCH_PARAMETERS,
     TYPED_CLIENT_TOOLS,
     call_parts,
-    is_client_tool_search,
+    is_tool_search,
     output_item_text,
 )
 from once.gateway.toolcalls import render_tool_call
@@ -91,7 +91,7 @@ def canonical_tool(tool: dict) -> dict | None:
         if tool.get("format"):
             out["format"] = tool["format"]
         return out
-    if is_client_tool_search(tool):
+    if is_tool_search(tool):
         out = {"type": "function", "name": "tool_search"}
         if tool.get("description"):
             out["description"] = tool["description"]
@@ -109,9 +109,27 @@ def canonical_tool(tool: dict) -> dict | None:
 
 
 def sorted_tools(tools: Sequence[dict]) -> list[dict]:
-    canon = [c for c in (canonical_tool(t) for t in tools) if c is not None]
+    canon = [c for c in (canonical_tool(t) for t in head_tools(tools)) if c is not None]
     # The whole serialization breaks ties, so even two tools of one name have one order.
     return sorted(canon, key=lambda t: (t["name"], canonical_json(t)))
+
+
+def head_tools(tools: Sequence[dict]) -> Sequence[dict]:
+    """With a `tool_search` tool, the tools marked `defer_loading` stay out of the prompt
+    until a search finds them (a namespace keeps those it does not defer)."""
+    if not any(is_tool_search(t) for t in tools):
+        return tools
+    kept = []
+    for tool in tools:
+        if tool.get("defer_loading"):
+            continue
+        if tool.get("type") == "namespace":
+            nested = [t for t in tool.get("tools") or () if not t.get("defer_loading")]
+            if not nested:
+                continue
+            tool = {**tool, "tools": nested}
+        kept.append(tool)
+    return kept
 
 
 def tools_block(tools: Sequence[dict]) -> str:

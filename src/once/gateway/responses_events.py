@@ -6,7 +6,7 @@ each with the next `sequence_number`. Shapes follow the official SDK's types (`R
 """
 
 from once.gateway.output import (
-    FunctionCallEmitted,
+    ItemEmitted,
     MessageClosed,
     MessageOpened,
     OutputEvent,
@@ -109,7 +109,7 @@ class ResponsesEncoder:
             return self._message_opened(event)
         if isinstance(event, MessageClosed):
             return self._message_closed(event)
-        if isinstance(event, FunctionCallEmitted):
+        if isinstance(event, ItemEmitted):
             return self._function_call(event)
         if isinstance(event, ResponseFinished):
             return self._finished(event)
@@ -153,7 +153,7 @@ class ResponsesEncoder:
             self._event("response.output_item.done", output_index=index, item=dict(message)),
         ]
 
-    def _function_call(self, event: FunctionCallEmitted) -> list[dict]:
+    def _function_call(self, event: ItemEmitted) -> list[dict]:
         item, index = event.item, event.output_index
         self.response["output"].append(item)
         if item["type"] == "custom_tool_call":

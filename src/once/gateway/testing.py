@@ -20,6 +20,7 @@ from once.engine.scripted import ScriptedEngine
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.conversation import ConnectionCache
+from once.gateway.hosted import HostedTools
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
@@ -80,12 +81,17 @@ async def serve_app(app, *, tls=None, force_exit: bool = False, **uvicorn_option
 
 @contextlib.asynccontextmanager
 async def serve_gateway(
-    runtime: ModelRuntime, engine, config: GatewayConfig | None = None, safety=None, tls=None
+    runtime: ModelRuntime,
+    engine,
+    config: GatewayConfig | None = None,
+    safety=None,
+    tls=None,
+    hosted: HostedTools | None = None,
 ):
     """Start the gateway on 127.0.0.1; yield (base_url, gateway). tls: (certfile, keyfile)."""
     config = config or GatewayConfig(store="memory", verify_every=1)
     model = replace(runtime, safety=safety)
-    gateway = create_gateway(config, engine, {runtime.name: model})
+    gateway = create_gateway(config, engine, {runtime.name: model}, hosted=hosted)
     app = build_gateway_app(gateway)
     try:
         async with serve_app(app, tls=tls, ws_max_size=config.max_body_bytes) as (url, _):

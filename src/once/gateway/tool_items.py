@@ -95,8 +95,13 @@ def is_client_tool_search(tool: dict) -> bool:
     return tool.get("type") == "tool_search" and tool.get("execution", "server") == "client"
 
 
+def is_tool_search(tool: dict) -> bool:
+    """Either execution: the client runs the search, or the gateway (hosted.py) does."""
+    return tool.get("type") == "tool_search"
+
+
 def reaches_prompt(tool: dict) -> bool:
-    return tool.get("type", "function") in PROMPT_TOOL_TYPES or is_client_tool_search(tool)
+    return tool.get("type", "function") in PROMPT_TOOL_TYPES or is_tool_search(tool)
 
 
 def hosted_tool_names(tools: Iterable[dict]) -> list[str]:
@@ -120,8 +125,13 @@ def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str
     return kinds
 
 
+SERVER_TOOL_SEARCH = "tool_search:server"
+
+
 def _kind(tool: dict) -> str:
-    return "tool_search" if is_client_tool_search(tool) else str(tool.get("type", "function"))
+    if is_tool_search(tool):
+        return "tool_search" if is_client_tool_search(tool) else SERVER_TOOL_SEARCH
+    return str(tool.get("type", "function"))
 
 
 # -- model calls -> items ----------------------------------------------------------------
@@ -135,6 +145,8 @@ def call_item(name: str, arguments: str, text_input: str | None, declared: set[s
         return {**item, "namespace": namespace} if namespace else item
     if text_input is not None:  # an input where no custom tool was declared: an argument
         arguments = json.dumps({"input": text_input}, ensure_ascii=False)
+    if name == "tool_search" and SERVER_TOOL_SEARCH in declared:
+        return {"type": TOOL_SEARCH_CALL, "execution": "server", "arguments": _object(arguments)}
     if not namespace and name in declared:
         if name == "tool_search":
             return {
