@@ -1,6 +1,7 @@
 """What every HTTP front end shares: a bounded body, JSON decoding, error replies."""
 
 import json
+import re
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -17,10 +18,17 @@ from once.protocol.errors import (
 IGNORED_TOOLS_HEADER = "once-ignored-tools"
 
 
+MAX_JSON_DEPTH = 100  # arrays and objects inside each other; tool schemas nest ~10 deep
+# An escaped UTF-16 surrogate (after an even run of backslashes, so a real escape).
+_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
+
+
 def error_response(error: OnceError, headers: dict[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if isinstance(error, RateLimitError):
         headers["retry-after"] = str(max(1, round(error.retry_after_s)))
+    if error.status >= 500:
+        headers["connection"] = "close"  # the client's next request opens a fresh one
     return JSONResponse({"error": error.to_dict()}, status_code=error.status, headers=headers)
 
 
@@ -44,7 +52,45 @@ def decode_json(body: bytes | str, what: str = "body") -> object:
             body = body.decode("utf-8")
         except UnicodeDecodeError as e:
             raise InvalidRequestError(f"the {what} is not valid UTF-8 (byte {e.start})") from None
+    _check_surrogates(body, what)
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except json.JSONDecodeError as e:
         raise InvalidJSONError(f"the {what} is not valid JSON: {e}") from None
+    except RecursionError:
+        value = None
+    if value is None and body.strip() != "null" or _too_deep(value):
+        raise InvalidJSONError(f"the {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _check_surrogates(text: str, what: str) -> None:
+    """A lone UTF-16 surrogate escape decodes to a string no encoder takes: refuse it."""
+    pending_high = -1  # end offset of a high surrogate escape waiting for its low half
+    for match in _SURROGATE_ESCAPE.finditer(text):
+        escape_start = match.end() - 6
+        is_high = match.group(1) in "89abAB"
+        if not is_high and pending_high == escape_start:
+            pending_high = -1
+            continue
+        if pending_high != -1 or not is_high:
+            raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
+        pending_high = match.end()
+    if pending_high != -1:
+        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
+
+
+def _too_deep(value: object) -> bool:
+    # Iterative, over containers only: the cost follows the structure, not the text.
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        if isinstance(node, dict):
+            stack.extend(
+                (child, depth + 1) for child in node.values() if isinstance(child, dict | list)
+            )
+        elif isinstance(node, list):
+            stack.extend((child, depth + 1) for child in node if isinstance(child, dict | list))
+    return False

@@ -23,6 +23,9 @@ class ModelRuntime:
     max_model_len: int
     accepts_images: bool = False
     safety: SafetyChecker | None = None  # None: no input check
+    # The longest token's text, in characters: no token covers more, so a prompt of N
+    # characters has at least N / this many tokens (prepare.py rejects on that bound).
+    max_token_chars: int = 64
 
     @classmethod
     def load(
@@ -38,4 +41,5 @@ class ModelRuntime:
             builder=PromptBuilder(renderer, tokenizer),
             max_model_len=max_model_len,
             safety=safety,
+            max_token_chars=max(len(token) for token in tokenizer.get_vocab()),
         )

@@ -115,6 +115,7 @@ class PromptPreparer:
             )
             chain_hashes, state, used_prefix_key = lookup.hashes, lookup.state, lookup.used_key
             new_items = tuple(lookup.new_items)
+        _check_bound(model, state, new_items if state is not None else items or new_items, request)
         built = None
         if state is not None and state.render_key == key:
             try:
@@ -256,6 +257,30 @@ class PromptPreparer:
 
 def _num_chars(items) -> int:
     return sum(len(str(item)) for item in items)
+
+
+def _check_bound(
+    model: ModelRuntime,
+    state: ConversationState | None,
+    items: Sequence[dict],
+    request: ResponsesRequest,
+) -> None:
+    """Refuse, before any rendering or tokenizing, a prompt its characters alone prove too
+    long: no token covers more than `max_token_chars` of them (a 20 MB body costs ms)."""
+    num_chars = len(request.instructions or "") + sum(
+        len(message["content"])
+        for message in model.renderer.item_messages(items)
+        if isinstance(message.get("content"), str)
+    )
+    at_least = num_chars // max(1, model.max_token_chars)
+    if state is not None:
+        at_least += len(state.token_ids)
+    if at_least >= model.max_model_len:
+        raise ContextLengthExceededError(
+            f"the prompt is at least {at_least} tokens; this model's context is "
+            f"{model.max_model_len}",
+            param="input",
+        )
 
 
 def _check_length(built: BuiltPrompt, model: ModelRuntime) -> None:

@@ -18,12 +18,15 @@ param}}`; bad frames never close the connection. It closes itself, with
 """
 
 import asyncio
+import contextlib
 import functools
 import json
+import logging
 import time
 from contextlib import aclosing
 
 from fastapi import WebSocket, WebSocketDisconnect
+from websockets.exceptions import ConnectionClosed
 
 from once.gateway.conversation import ConnectionCache
 from once.gateway.http_io import decode_json
@@ -38,6 +41,7 @@ from once.protocol.errors import (
 )
 from once.protocol.responses import parse_request
 
+logger = logging.getLogger(__name__)
 TRANSPORT = "websocket"
 parse_websocket_request = functools.partial(parse_request, websocket=True)
 # Fields that belong to one message, never inherited by the next.
@@ -166,8 +170,13 @@ class _Connection:
                     await self.send_texts(texts)
         except OnceError as e:
             await self.send(error_frame(e, stream_id))
-        except (WebSocketDisconnect, RuntimeError):
+        except (WebSocketDisconnect, ConnectionClosed, RuntimeError):
             pass  # the client went away mid-stream; the engine request is aborted
+        except Exception as e:  # noqa: BLE001 - a bug; the client still gets its answer
+            logger.exception("unexpected error answering a response.create")
+            failure = OnceError(f"internal error: {type(e).__name__}")
+            with contextlib.suppress(WebSocketDisconnect, ConnectionClosed, RuntimeError):
+                await self.send(error_frame(failure, stream_id))
 
     async def _inherit(self, body: dict) -> dict:
         previous = body.get("previous_response_id")

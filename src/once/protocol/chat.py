@@ -25,7 +25,7 @@ from typing import Any
 
 from once.protocol.errors import InvalidRequestError
 from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, ResponsesRequest
-from once.protocol.schema import validate
+from once.protocol.schema import SdkType, validate
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
@@ -44,8 +44,6 @@ def _adapter(name: str):
         chat_completion_user_message_param,
         completion_create_params,
     )
-    from pydantic import TypeAdapter
-
     types = {
         "body": completion_create_params.CompletionCreateParamsBase,
         "system": chat_completion_system_message_param.ChatCompletionSystemMessageParam,
@@ -55,7 +53,7 @@ def _adapter(name: str):
         "tool": chat_completion_tool_message_param.ChatCompletionToolMessageParam,
         "function": chat_completion_function_tool_param.ChatCompletionFunctionToolParam,
     }
-    return TypeAdapter(types[name])
+    return SdkType(types[name])
 
 
 def warm_up() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from once.protocol.errors import InvalidRequestError
 from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, ResponsesRequest
-from once.protocol.schema import validate
+from once.protocol.schema import SdkType, validate
 
 
 @functools.cache
@@ -39,8 +39,6 @@ def _adapter(name: str):
         tool_param,
         user_message_param,
     )
-    from pydantic import TypeAdapter
-
     types = {
         "body": message_create_params.MessageCreateParamsBase,
         "user": user_message_param.UserMessageParam,
@@ -48,7 +46,7 @@ def _adapter(name: str):
         "system": system_message_param.SystemMessageParam,
         "custom": tool_param.ToolParam,
     }
-    return TypeAdapter(types[name])
+    return SdkType(types[name])
 
 
 def warm_up() -> None:

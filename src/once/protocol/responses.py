@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
-from once.protocol.schema import types_by_name, validate
+from once.protocol.schema import SdkType, types_by_name, validate
 
 # Item types the renderer reads; every other item type the SDK defines is accepted and
 # left out of the prompt (the output of a hosted tool this server has no backend for).
@@ -74,21 +74,19 @@ def _adapter(name: str):
         responses_client_event_param,
         tool_param,
     )
-    from pydantic import TypeAdapter
-
     bodies = {
         "http": response_create_params.ResponseCreateParamsBase,
         "websocket": responses_client_event_param.ResponseCreate,
         MESSAGE: easy_input_message_param.EasyInputMessageParam,
     }
     if name in bodies:
-        return TypeAdapter(bodies[name])
+        return SdkType(bodies[name])
     kind, _, type_name = name.partition(":")
     union = (
         tool_param.ToolParam if kind == "tool" else response_input_item_param.ResponseInputItemParam
     )
     member = types_by_name(union).get(type_name)
-    return None if member is None else TypeAdapter(member)
+    return None if member is None else SdkType(member)
 
 
 def warm_up() -> None:
@@ -98,7 +96,7 @@ def warm_up() -> None:
 
 
 def _validate(name: str, value: Any, prefix: str) -> None:
-    validate(_adapter(name), value, prefix)
+    validate(_adapter(name), value, prefix, strict=True)
 
 
 def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
@@ -165,11 +163,25 @@ def validate_tool(tool: Any, param: str) -> None:
         # The API defaults `parameters` and `strict`; the SDK's TypedDict marks them
         # required because it always sends them.
         tool = {"parameters": None, "strict": None, **tool}
-    validate(adapter, tool, param)
+    validate(adapter, tool, param, strict=True)
+
+
+# Outputs that answer a call: without its call_id nothing ties them to it (the SDK's
+# types mark call_id optional on some of them; the API requires it).
+CALL_ANSWERS = (
+    FUNCTION_CALL_OUTPUT,
+    CUSTOM_TOOL_CALL_OUTPUT,
+    "shell_call_output",
+    "apply_patch_call_output",
+)
 
 
 def _validate_item(item: dict, param: str) -> None:
     kind = item["type"]
+    if kind in CALL_ANSWERS and not isinstance(item.get("call_id"), str):
+        raise InvalidRequestError(
+            f"a {kind} item needs its call's 'call_id'", param=f"{param}.call_id"
+        )
     adapter = _adapter(f"item:{kind}") if kind != MESSAGE else None
     if kind != MESSAGE and adapter is None:
         raise InvalidRequestError(f"unknown input item type {kind!r}", param=f"{param}.type")
@@ -183,7 +195,7 @@ def _validate_item(item: dict, param: str) -> None:
                     "assistant content parts need a string 'text'", param=f"{param}.content[{j}]"
                 )
         return
-    validate(adapter if adapter is not None else _adapter(MESSAGE), item, param)
+    validate(adapter if adapter is not None else _adapter(MESSAGE), item, param, strict=True)
 
 
 def normalize_input(raw_input: str | list) -> tuple[dict, ...]:

@@ -26,9 +26,41 @@ def types_by_name(union: Any) -> dict[str, Any]:
     return table
 
 
+class SdkType:
+    """An SDK TypedDict with its validator. The SDKs write `Required[...]` inside string
+    annotations of `total=False` classes, which Python cannot see at class creation (their
+    `__required_keys__` is empty), so pydantic would take a body that lacks a required
+    field: the required keys are read from the annotations' text here and checked first."""
+
+    def __init__(self, typed_dict: Any):
+        from pydantic import TypeAdapter
+
+        self.typed_dict = typed_dict
+        self.adapter = TypeAdapter(typed_dict)
+        self.required = required_keys(typed_dict)
+
+    def validate_python(self, value: Any, strict: bool = False) -> Any:
+        return self.adapter.validate_python(value, strict=strict)
+
+
+def required_keys(typed_dict: Any) -> tuple[str, ...]:
+    keys: list[str] = []
+    for cls in reversed(getattr(typed_dict, "__mro__", ())):
+        for key, annotation in getattr(cls, "__annotations__", {}).items():
+            text = getattr(annotation, "__forward_arg__", None) or str(annotation)
+            if text.startswith(("Required[", "typing_extensions.Required[")) and key not in keys:
+                keys.append(key)
+    return tuple(keys)
+
+
 def validate(adapter: Any, value: Any, prefix: str = "", *, strict: bool = False) -> None:
     from pydantic import ValidationError
 
+    if isinstance(adapter, SdkType) and isinstance(value, dict):
+        for key in adapter.required:
+            if key not in value:
+                param = f"{prefix}.{key}" if prefix else key
+                raise InvalidRequestError(f"missing required parameter: {param!r}", param=param)
     try:
         adapter.validate_python(value, strict=strict)
     except ValidationError as e:
