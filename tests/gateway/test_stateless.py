@@ -134,3 +134,18 @@ async def test_a_divergence_drops_the_states_it_left(runtime):
     assert list(engine.requests[2].prompt_token_ids) == full_prompt(runtime, items)
     await gateway.drain_verifications()
     assert gateway.metrics.value(gateway.metrics.divergences) == 1
+
+
+async def test_an_edited_earlier_message_reuses_the_ids_before_it(runtime):
+    engine = scripted_texts(runtime, ["One.", "Two.", "Three."])
+    gateway = gateway_for(runtime, engine)
+    items = [user("first question " * 50)]
+    _, reply = await respond(gateway, items)
+    items += reply["output"] + [user("second question " * 50)]
+    _, reply = await respond(gateway, items)
+    # The client elides its second question (as SWE-agent trims old observations).
+    edited = [*items[:2], user("(elided)"), *reply["output"], user("third")]
+    third, _ = await respond(gateway, edited)
+    assert third.built.mode == INCREMENTAL
+    assert list(engine.requests[2].prompt_token_ids) == full_prompt(runtime, edited)
+    assert third.built.num_tokenized < len(third.built.prompt_ids) // 3

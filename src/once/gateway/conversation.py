@@ -18,7 +18,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from once.gateway.auth import Tenant
-from once.gateway.prefix_states import PrefixStates
+from once.gateway.prefix_states import KeptState, PrefixStates
 from once.gateway.store import ResponseStore, StoredResponse
 from once.gateway.tokens import ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
@@ -67,7 +67,7 @@ class SavedTurn:
     output_token_ids: list[int]
     # A stateless request's states, under the hashes a resend of them will have, and the
     # kept state its prompt was built on (dropped too if the prompt diverged).
-    prefix_states: list[tuple[bytes, ConversationState]] = field(default_factory=list)
+    prefix_states: list[KeptState] = field(default_factory=list)
     used_prefix_key: bytes | None = None
 
 
@@ -136,8 +136,8 @@ class Conversations:
                 self.prefix_states.discard(turn.used_prefix_key)
         if connection is not None:
             connection.put(turn.response_id, state)
-        for key, prefix_state in turn.prefix_states:
-            self.prefix_states.put(key, prefix_state)
+        for kept in turn.prefix_states:
+            self.prefix_states.put(kept.key, kept.state, kept.boundaries)
         record = None
         if turn.store:
             record = StoredResponse(
@@ -153,7 +153,7 @@ class Conversations:
             )
             await self.store.put(record)
         if verification is not None and not verification.done():
-            keys = [key for key, _ in turn.prefix_states]
+            keys = [kept.key for kept in turn.prefix_states]
             if turn.used_prefix_key is not None:
                 keys.append(turn.used_prefix_key)
             marker = asyncio.create_task(self._mark_if_diverged(verification, state, record, keys))

@@ -36,7 +36,7 @@ from once.gateway.hosted import MAX_HOSTED_CALLS, HostedTools
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED, Usage
-from once.gateway.prefix_states import PrefixStates, states_after_response
+from once.gateway.prefix_states import KeptState, PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.store import ResponseStore
@@ -309,9 +309,7 @@ class ResponsePipeline:
         )
         await self.conversations.save(turn, prepared.connection, final.verification)
 
-    def _prefix_states(
-        self, prepared: Prepared, final: FinalSave
-    ) -> list[tuple[bytes, ConversationState]]:
+    def _prefix_states(self, prepared: Prepared, final: FinalSave) -> list[KeptState]:
         """A stateless request's two states (prefix_states.py): its prompt's context, and
         the prompt plus the sampled ids under the hash of the reply sent back unchanged."""
         built = prepared.built
@@ -323,6 +321,7 @@ class ResponsePipeline:
             final.token_ids if final.output_ids else list(built.context_ids),
             prepared.output.items,
             prepared.new_items[-1:],
+            prepared.model.builder.turn_end_ids,
         )
 
     def _start_verification(self, prepared: Prepared) -> asyncio.Task[bool] | None:

@@ -24,7 +24,7 @@ tenant seeds the chain.
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from once.gateway.tokens import ConversationState
 from once.protocol.responses import canonical_json
@@ -77,6 +77,43 @@ def find_prefix(
     return StatelessLookup(hashes, match.state, items[end:], hashes[match.num_messages - 1])
 
 
+@dataclass
+class KeptState:
+    """A state to keep, under `key`, with the hashes and token offsets of the messages it
+    passes through (a request that edits a later message reuses the ids up to there)."""
+
+    key: bytes
+    state: ConversationState
+    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
+
+
+def message_boundaries(
+    hashes: Sequence[bytes], context_ids: list[int], turn_end_ids: Sequence[int]
+) -> list[tuple[bytes, int]]:
+    """(hash of messages[:k + 1], the ids' length at its end) for each message but the
+    last. A message ends where the template closes a turn (`<|im_end|>\n`); the last
+    len(hashes) closings in the ids are the messages' (the head's system turn, when there
+    is one, closes before them). Ids that do not close the last message at their very end
+    are not cut: a template of another shape, or a closing inside a message's text."""
+    n, width = len(turn_end_ids), len(hashes)
+    if not n or not width:
+        return []
+    marker, first = list(turn_end_ids), turn_end_ids[0]
+    ends, start = [], 0
+    while True:  # list.index scans in C: one step per closing, not per id
+        try:
+            i = context_ids.index(first, start)
+        except ValueError:
+            break
+        if context_ids[i : i + n] == marker:
+            ends.append(i + n)
+        start = i + 1
+    if len(ends) < width or ends[-1] != len(context_ids):
+        return []
+    ends = ends[len(ends) - width :]
+    return [(hashes[k], ends[k]) for k in range(width - 1)]
+
+
 def states_after_response(
     renderer,
     hashes: Sequence[bytes],
@@ -85,19 +122,23 @@ def states_after_response(
     token_ids: list[int],
     output_items: Sequence[dict],
     last_input_item: Sequence[dict],
-) -> list[tuple[bytes, ConversationState]]:
-    """A stateless request's two states: its prompt's context (its messages closed), and
-    the prompt plus the sampled ids (`token_ids`) under the hash of the reply a client
-    sends back unchanged (when the prompt did not end inside an assistant turn)."""
+    turn_end_ids: Sequence[int] = (),
+) -> list[KeptState]:
+    """A stateless request's two states: its prompt's context (its messages closed, with
+    each message's boundary), and the prompt plus the sampled ids (`token_ids`) under the
+    hash of the reply a client sends back unchanged (when the prompt did not end inside an
+    assistant turn)."""
     if not hashes:
         return []
-    states = [(hashes[-1], ConversationState(render_key, list(context_ids), False))]
+    boundaries = message_boundaries(hashes, context_ids, turn_end_ids)
+    context = ConversationState(render_key, list(context_ids), False)
+    states = [KeptState(hashes[-1], context, boundaries)]
     reply = renderer.item_messages(output_items)
     last = renderer.item_messages(last_input_item)
     opens_a_turn = not last or last[-1]["role"] != "assistant"
     if len(token_ids) > len(context_ids) and len(reply) == 1 and opens_a_turn:
         key = chain(hashes[-1], reply)[0]
-        states.append((key, ConversationState(render_key, list(token_ids), True)))
+        states.append(KeptState(key, ConversationState(render_key, list(token_ids), True)))
     return states
 
 
@@ -106,6 +147,7 @@ class _Kept:
     render_key: str
     token_ids: list[int]
     after_output: bool
+    boundary_keys: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -120,6 +162,8 @@ class PrefixStates:
         self.max_tokens = max_tokens
         self.num_tokens = 0
         self._states: OrderedDict[bytes, _Kept] = OrderedDict()
+        # A message boundary inside a kept state: its hash -> (the state's key, offset).
+        self._boundaries: dict[bytes, tuple[bytes, int]] = {}
 
     def __len__(self) -> int:
         return len(self._states)
@@ -131,22 +175,37 @@ class PrefixStates:
                 self._states.move_to_end(hashes[k])
                 state = ConversationState(kept.render_key, kept.token_ids, kept.after_output)
                 return PrefixMatch(state, k + 1)
+            inside = self._boundaries.get(hashes[k])
+            if inside is not None and inside[0] in self._states:
+                owner = self._states[inside[0]]
+                self._states.move_to_end(inside[0])
+                ids = owner.token_ids[: inside[1]]
+                return PrefixMatch(ConversationState(owner.render_key, ids, False), k + 1)
         return None
 
-    def put(self, key: bytes, state: ConversationState) -> None:
-        old = self._states.pop(key, None)
-        if old is not None:
-            self.num_tokens -= len(old.token_ids)
+    def put(self, key: bytes, state: ConversationState, boundaries: Sequence = ()) -> None:
+        self.discard(key)
         ids = state.token_ids
         if len(ids) > self.max_tokens:
             return
-        self._states[key] = _Kept(state.render_key, ids, state.after_output)
+        boundary_keys = []
+        for boundary, offset in boundaries:
+            self._boundaries[boundary] = (key, offset)
+            boundary_keys.append(boundary)
+        self._states[key] = _Kept(state.render_key, ids, state.after_output, boundary_keys)
         self.num_tokens += len(ids)
         while len(self._states) > self.max_states or self.num_tokens > self.max_tokens:
-            _, evicted = self._states.popitem(last=False)
-            self.num_tokens -= len(evicted.token_ids)
+            self.discard(next(iter(self._states)))
 
     def discard(self, key: bytes) -> None:
+        """Forget a kept state (or the boundary inside one that `key` names)."""
+        inside = self._boundaries.get(key)
+        if inside is not None and inside[0] != key:
+            del self._boundaries[key]
         kept = self._states.pop(key, None)
-        if kept is not None:
-            self.num_tokens -= len(kept.token_ids)
+        if kept is None:
+            return
+        self.num_tokens -= len(kept.token_ids)
+        for boundary in kept.boundary_keys:
+            if self._boundaries.get(boundary, (None,))[0] == key:
+                del self._boundaries[boundary]

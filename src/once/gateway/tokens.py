@@ -75,6 +75,8 @@ class PromptBuilder:
         # After an output that ended with eos, the turn still needs what follows the eos.
         self.close_after_eos = close[len(eos) :] if eos and close.startswith(eos) else close
         self.close_without_eos = close
+        # How every turn ends in the ids (`<|im_end|>\n`): the stateless states' boundaries.
+        self.turn_end_ids = self.encode(close)
 
     def encode(self, text: str) -> list[int]:
         # The batch "fast" path skips character offsets, which the gateway never reads:

@@ -44,6 +44,7 @@ def _adapter(name: str):
         chat_completion_user_message_param,
         completion_create_params,
     )
+
     types = {
         "body": completion_create_params.CompletionCreateParamsBase,
         "system": chat_completion_system_message_param.ChatCompletionSystemMessageParam,

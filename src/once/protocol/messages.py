@@ -39,6 +39,7 @@ def _adapter(name: str):
         tool_param,
         user_message_param,
     )
+
     types = {
         "body": message_create_params.MessageCreateParamsBase,
         "user": user_message_param.UserMessageParam,

@@ -74,6 +74,7 @@ def _adapter(name: str):
         responses_client_event_param,
         tool_param,
     )
+
     bodies = {
         "http": response_create_params.ResponseCreateParamsBase,
         "websocket": responses_client_event_param.ResponseCreate,

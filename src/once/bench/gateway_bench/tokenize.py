@@ -91,10 +91,10 @@ def _states_after(runtime, key, prev_built, token_ids, prev_request, prev_output
     hashes = find_prefix(states, renderer, TENANT, key, prev_request["input"]).hashes
     kept = states_after_response(
         renderer, hashes, key, prev_built.context_ids, token_ids, prev_output,
-        prev_request["input"][-1:],
+        prev_request["input"][-1:], runtime.builder.turn_end_ids,
     )  # fmt: skip
-    for state_key, state in kept:
-        states.put(state_key, state)
+    for entry in kept:
+        states.put(entry.key, entry.state, entry.boundaries)
     return states
 
 
