@@ -7,17 +7,14 @@ parsing, stop strings, metrics) is the same pipeline as the Responses API's.
 
 import json
 import time
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
-from once.gateway.capacity import LOAD_REPORT_HEADER
 from once.gateway.chat_events import ChatCompletionsEncoder
 from once.gateway.http_io import decode_json, error_response, read_body
+from once.gateway.http_reply import reply
 from once.gateway.pipeline import ResponsePipeline
 from once.protocol.chat import include_usage, parse_chat_request
-from once.protocol.errors import error_from_dict
 
 TRANSPORT = "http"
 
@@ -29,10 +26,6 @@ def sse_data(events: list[dict | str]) -> bytes:
         for event in events
     ]
     return "".join(f"data: {frame}\n\n" for frame in frames).encode()
-
-
-def no_frames(events: list) -> None:
-    return None
 
 
 def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
@@ -56,19 +49,6 @@ def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
         encoder = ChatCompletionsEncoder(
             prepared.request, prepared.response_id, prepared.created_at, include_usage(decoded)
         )
-        headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
-        if admission.request.stream:
-            return StreamingResponse(
-                pipeline.stream(prepared, encoder, TRANSPORT, sse_data),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
-            async for _ in batches:
-                pass
-        finished = encoder.finished
-        if finished is not None and finished.status == "failed":
-            return error_response(error_from_dict(finished.error or {}))
-        return JSONResponse(encoder.api_object(), headers=headers)
+        return await reply(pipeline, prepared, encoder, sse_data, error_response)
 
     return router

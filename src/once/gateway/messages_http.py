@@ -8,17 +8,16 @@ every /v1/messages path, take Anthropic's shape (`anthropic_error_response`).
 """
 
 import time
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from once.gateway.capacity import LOAD_REPORT_HEADER
-from once.gateway.http_io import IGNORED_TOOLS_HEADER, decode_json, read_body
+from once.gateway.http_io import decode_json, read_body
+from once.gateway.http_reply import reply
 from once.gateway.messages_events import MessagesEncoder
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.sse import sse_frame
-from once.protocol.errors import OnceError, RateLimitError, error_from_dict
+from once.protocol.errors import OnceError, RateLimitError
 from once.protocol.messages import parse_count_tokens_request, parse_messages_request
 
 TRANSPORT = "http"
@@ -51,10 +50,6 @@ def sse_chunk(events: list[dict]) -> bytes:
     return b"".join(sse_frame(event) for event in events)
 
 
-def no_frames(events: list) -> None:
-    return None
-
-
 def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
     router = APIRouter()
 
@@ -78,22 +73,7 @@ def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
         encoder = MessagesEncoder(
             prepared.request, prepared.response_id, len(prepared.built.prompt_ids)
         )
-        headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
-        if admission.request.ignored_tools:
-            headers[IGNORED_TOOLS_HEADER] = ", ".join(admission.request.ignored_tools)
-        if admission.request.stream:
-            return StreamingResponse(
-                pipeline.stream(prepared, encoder, TRANSPORT, sse_chunk),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
-            async for _ in batches:
-                pass
-        finished = encoder.finished
-        if finished is not None and finished.status == "failed":
-            return anthropic_error_response(error_from_dict(finished.error or {}))
-        return JSONResponse(encoder.api_object(), headers=headers)
+        return await reply(pipeline, prepared, encoder, sse_chunk, anthropic_error_response)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(http: Request):

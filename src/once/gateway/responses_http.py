@@ -5,19 +5,18 @@ pipeline yields, either the final response object (JSON) or the events as SSE fr
 """
 
 import time
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
-from once.gateway.capacity import LOAD_REPORT_HEADER
-from once.gateway.http_io import IGNORED_TOOLS_HEADER, decode_json, error_response, read_body
+from once.gateway.http_io import decode_json, error_response, read_body
+from once.gateway.http_reply import reply
 from once.gateway.input_items import chain_items, page, parse_query
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.gateway.responses_events import ResponsesEncoder
 from once.gateway.sse import sse_frame
-from once.protocol.errors import InvalidRequestError, ResponseNotFoundError, error_from_dict
+from once.protocol.errors import InvalidRequestError, ResponseNotFoundError
 from once.protocol.responses import parse_request
 
 TRANSPORT = "http"
@@ -55,26 +54,7 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
             raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
         prepared = await pipeline.prepare(admission)
         encoder = responses_encoder(prepared)
-        headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
-        if admission.request.ignored_tools:
-            headers[IGNORED_TOOLS_HEADER] = ", ".join(admission.request.ignored_tools)
-        if admission.request.stream:
-            return StreamingResponse(
-                pipeline.stream(prepared, encoder, TRANSPORT, sse_chunk),
-                media_type="text/event-stream",
-                headers={**headers, "cache-control": "no-cache"},
-            )
-        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
-            async for _ in batches:
-                pass
-        response = encoder.api_object()
-        if response["status"] == "failed":
-            error = response.get("error") or {}
-            failure = error_from_dict(
-                {"code": error.get("code"), "message": error.get("message", "the response failed")}
-            )
-            return error_response(failure)
-        return JSONResponse(response, headers=headers)
+        return await reply(pipeline, prepared, encoder, sse_chunk, error_response)
 
     @router.post("/v1/responses/input_tokens")
     async def count_input_tokens(http: Request):

@@ -24,7 +24,13 @@ import functools
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
-from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, ResponsesRequest
+from once.protocol.responses import (
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    MESSAGE,
+    ResponsesRequest,
+    function_tool,
+)
 from once.protocol.schema import SdkType, validate
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
@@ -214,12 +220,10 @@ def _part(part: dict) -> dict:
 
 
 def _function_tool(function: dict) -> dict:
-    tool = {"type": "function", "name": function["name"]}
-    if function.get("description"):
-        tool["description"] = function["description"]
-    tool["parameters"] = function.get("parameters") or {"type": "object", "properties": {}}
-    tool["strict"] = bool(function.get("strict"))
-    return tool
+    return function_tool(
+        function["name"], function.get("description"), function.get("parameters"),
+        function.get("strict"),
+    )  # fmt: skip
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -26,7 +26,13 @@ import json
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
-from once.protocol.responses import FUNCTION_CALL, FUNCTION_CALL_OUTPUT, MESSAGE, ResponsesRequest
+from once.protocol.responses import (
+    FUNCTION_CALL,
+    FUNCTION_CALL_OUTPUT,
+    MESSAGE,
+    ResponsesRequest,
+    function_tool,
+)
 from once.protocol.schema import SdkType, validate
 
 
@@ -205,12 +211,9 @@ def _text(content: Any) -> str:
 
 
 def _function_tool(tool: dict) -> dict:
-    function = {"type": "function", "name": tool["name"]}
-    if tool.get("description"):
-        function["description"] = tool["description"]
-    function["parameters"] = tool.get("input_schema") or {"type": "object", "properties": {}}
-    function["strict"] = bool(tool.get("strict"))
-    return function
+    return function_tool(
+        tool["name"], tool.get("description"), tool.get("input_schema"), tool.get("strict")
+    )
 
 
 def _tool_choice(choice: dict) -> Any:

@@ -212,6 +212,16 @@ def normalize_input(raw_input: str | list) -> tuple[dict, ...]:
     return tuple(items)
 
 
+def function_tool(name: str, description: str | None, parameters: dict | None, strict) -> dict:
+    """A Responses function tool from another API's tool definition."""
+    tool: dict[str, Any] = {"type": "function", "name": name}
+    if description:
+        tool["description"] = description
+    tool["parameters"] = parameters or {"type": "object", "properties": {}}
+    tool["strict"] = bool(strict)
+    return tool
+
+
 def message_text(item: dict) -> str:
     """The text of a message item: a string, or the text parts of a content list joined."""
     content = item.get("content")
