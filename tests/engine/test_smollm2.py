@@ -76,3 +76,25 @@ def test_logits_match_transformers_with_prefix_hit(smollm2):
         with torch.no_grad():
             want = reference(torch.tensor([tokens])).logits[0, -1]
         torch.testing.assert_close(logits, want, atol=2e-3, rtol=1e-3)
+
+
+def test_greedy_logprobs_are_log_softmax_of_transformers_logits(smollm2):
+    engine, reference, tokenizer = smollm2
+    prompt = chat_ids(tokenizer, "Name a primary color.")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+    deltas = engine.generate([GenerateRequest("lp", tuple(prompt), params)])["lp"]
+    output = [t for d in deltas for t in d.token_ids]
+    entries = [e for d in deltas for e in d.logprobs or []]
+    assert [e.token_id for e in entries] == output and len(output) == 8
+    for position, entry in enumerate(entries):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + output[:position]])).logits[0, -1]
+        want = torch.log_softmax(logits.float(), -1)
+        assert entry.logprob == pytest.approx(float(want[entry.token_id]), abs=2e-3)
+        assert entry.top_logprobs[0][0] == entry.token_id  # greedy: the argmax
+        values = [value for _, value in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Each alternative's value, and the top 5 as a whole (near-ties may swap ids).
+        for token_id, value in entry.top_logprobs:
+            assert value == pytest.approx(float(want[token_id]), abs=2e-3)
+        torch.testing.assert_close(torch.tensor(values), want.topk(5).values, atol=2e-3, rtol=0)

@@ -2,6 +2,13 @@
 
 Backed by a ScriptedEngine (so the prefix cache and timing are real enough); served by a
 real uvicorn on a free local port, so the client's streaming and cancellation are real.
+
+With `"logprobs": k` a choice carries vLLM's completions `logprobs` object, built from the
+scripted engine's fake logprobs: `tokens`, `token_logprobs`, `top_logprobs` (per token, the
+sampled id first and then the top k, as one object, so k + 1 keys at most) and
+`text_offset`. Tokens are named "token_id:<id>" when the request sets
+`return_tokens_as_token_ids` (or in the "logprobs" id mode, a server started with
+`--return-tokens-as-token-ids`); otherwise by text, which cannot be mapped back.
 """
 
 import contextlib
@@ -12,10 +19,31 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from once.engine.scripted import ScriptedEngine
 from once.gateway.testing import serve_app as serve_loopback
-from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
+from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams, TokenDelta
 from once.protocol.errors import OnceError
 
 START_TIMEOUT_S = 5
+TEXT = "x"  # every token's text: one character per token
+
+
+def completion_logprobs(delta: TokenDelta, k: int, as_ids: bool) -> dict:
+    """vLLM's CompletionLogProbs for one delta, from the engine's TokenLogprob entries."""
+
+    def name(token_id: int) -> str:
+        return f"token_id:{token_id}" if as_ids else TEXT
+
+    tops = []
+    for entry in delta.logprobs or []:
+        top = {name(entry.token_id): entry.logprob}  # vLLM puts the sampled id first
+        for token_id, logprob in entry.top_logprobs[:k]:
+            top.setdefault(name(token_id), logprob)
+        tops.append(top)
+    return {
+        "text_offset": list(range(len(delta.token_ids))),
+        "token_logprobs": [entry.logprob for entry in delta.logprobs or []],
+        "tokens": [name(token_id) for token_id in delta.token_ids],
+        "top_logprobs": tops,
+    }
 
 
 # vLLM's structured_outputs keys, one of which a request may set (as its validation does).
@@ -74,8 +102,14 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
                 ignore_eos=body.get("ignore_eos", False),
                 stop_token_ids=tuple(body.get("stop_token_ids") or ()),
                 constraint=constraint,  # the scripted engine records and ignores it
+                logprobs=body.get("logprobs"),
             ),
             cache_salt=body.get("cache_salt"),
+        )
+
+        num_logprobs = body.get("logprobs")
+        as_ids = id_mode == "logprobs" or (
+            id_mode != "text" and bool(body.get("return_tokens_as_token_ids"))
         )
 
         async def events():
@@ -86,10 +120,12 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
                     if delta.num_cached_tokens is not None:
                         num_cached = delta.num_cached_tokens
                     num_output += len(delta.token_ids)
-                    choice = {"index": 0, "text": "x" * len(delta.token_ids)}
+                    choice = {"index": 0, "text": TEXT * len(delta.token_ids)}
                     choice["finish_reason"] = delta.finish_reason
                     if id_mode == "token_ids":
                         choice["token_ids"] = delta.token_ids
+                    if num_logprobs is not None:
+                        choice["logprobs"] = completion_logprobs(delta, num_logprobs, as_ids)
                     elif id_mode == "logprobs":
                         choice["logprobs"] = {"tokens": [f"token_id:{t}" for t in delta.token_ids]}
                     chunk = {"id": request.request_id, "object": "text_completion"}

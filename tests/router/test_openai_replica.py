@@ -3,11 +3,11 @@ import contextlib
 import httpx
 import pytest
 
-from once.engine.scripted import ScriptedEngine
-from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
+from once.engine.scripted import ScriptedEngine, scripted_logprobs
+from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams, TokenLogprob
 from once.protocol.errors import EngineDeadError, InvalidRequestError, OnceError
 from once.router import OpenAICompletionsClient, Router, RouterConfig
-from once.router.openai_replica import error_from_status, token_ids_of
+from once.router.openai_replica import error_from_status, logprobs_of, token_ids_of
 from tests.router.fake_vllm import build_fake_vllm, serve_app
 from tests.router.fakes import collect, make_request
 
@@ -96,6 +96,58 @@ async def test_the_fake_vllm_rejects_two_constraints_at_once():
         response = await http.post("/v1/completions", json=body)
         assert response.status_code == 400 and "exactly one" in response.text
         assert not engine.requests
+
+
+@pytest.mark.parametrize("id_mode", ["token_ids", "logprobs"])
+async def test_logprobs_map_to_vllm_and_back_to_ids(id_mode):
+    engine = ScriptedEngine(tokens_per_delta=2)
+    app = build_fake_vllm(engine, id_mode=id_mode)
+    async with serve_app(app) as (url, _):
+        client = OpenAICompletionsClient(url, model="m")
+        try:
+            sampling = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=3)
+            deltas, tokens = await collect(client, GenerateRequest("lp", tuple(PROMPT), sampling))
+            body = app.state.bodies[0]
+            assert body["logprobs"] == 3 and body["return_tokens_as_token_ids"] is True
+            assert engine.requests[0].sampling.logprobs == 3  # the fake got k
+            assert tokens == PROMPT[:5]
+            for delta in deltas:
+                assert delta.logprobs == (scripted_logprobs(delta.token_ids, 3) or None)
+            plain, _ = await collect(client, make_request("p", PROMPT, max_tokens=2))
+            assert "logprobs" not in app.state.bodies[1]
+            assert "return_tokens_as_token_ids" not in app.state.bodies[1]
+            assert all(d.logprobs is None for d in plain)
+        finally:
+            await client.aclose()
+
+
+def test_vllm_logprobs_are_ordered_and_cut_to_k():
+    # vLLM's top_logprobs: the sampled id first, then the top k; k + 1 keys when the
+    # sampled id ranks below k. -inf arrives clamped to -9999.0 and is kept.
+    choice = {
+        "token_ids": [42, 7],
+        "logprobs": {
+            "tokens": ["token_id:42", "token_id:7"],
+            "token_logprobs": [-3.5, -0.1],
+            "top_logprobs": [
+                {"token_id:42": -3.5, "token_id:5": -0.2, "token_id:9": -1.0},
+                {"token_id:7": -0.1, "token_id:8": -9999.0},
+            ],
+        },
+    }
+    assert logprobs_of(choice, [42, 7], 2) == [
+        TokenLogprob(42, -3.5, ((5, -0.2), (9, -1.0))),
+        TokenLogprob(7, -0.1, ((7, -0.1), (8, -9999.0))),
+    ]
+    only_sampled = {"logprobs": {"token_logprobs": [-0.5], "top_logprobs": [{"token_id:3": -0.5}]}}
+    assert logprobs_of(only_sampled, [3], 0) == [TokenLogprob(3, -0.5)]
+    text_keys = {"logprobs": {"token_logprobs": [-0.5], "top_logprobs": [{"hi": -0.5}]}}
+    with pytest.raises(OnceError, match="keyed by text"):
+        logprobs_of(text_keys, [3], 1)
+    with pytest.raises(OnceError, match="no logprob"):
+        logprobs_of({"logprobs": {"token_logprobs": [-0.5]}}, [3, 4], 1)
+    with pytest.raises(OnceError, match="no logprob"):
+        logprobs_of({"token_ids": [3]}, [3], 1)
 
 
 async def test_errors_from_the_server_are_mapped():

@@ -2,8 +2,11 @@ import asyncio
 
 import pytest
 
-from once.engine.scripted import ScriptedEngine
-from once.protocol.engine import EngineClient
+from once.engine.client import RemoteEngineClient
+from once.engine.scripted import ScriptedEngine, scripted_logprobs
+from once.engine.server import build_engine_app
+from once.gateway.testing import serve_app
+from once.protocol.engine import EngineClient, GenerateRequest, SamplingParams
 from once.protocol.errors import ContextLengthExceededError, EngineDeadError
 from once.router import Replica, Router, RouterConfig, make_policy
 from tests.router.fakes import KillableEngine, PacedPrefillEngine, collect, make_request
@@ -38,6 +41,28 @@ async def test_router_is_an_engine_client_and_streams_a_replica_output():
     assert stats["num_running"] == 0
     assert [name for _, name in router.decisions] == ["replica-0", "replica-1"]
     await router.aclose()
+
+
+async def test_logprobs_pass_through_in_process_and_remote_replicas_and_a_retry():
+    dead, local, served = KillableEngine(), ScriptedEngine(tokens_per_delta=2), ScriptedEngine()
+    dead.kill()
+    async with serve_app(build_engine_app(served, model_name="scripted")) as (url, _):
+        async with RemoteEngineClient(url) as remote:
+            router = Router.over([dead, local, remote], RouterConfig(policy="round_robin"))
+            sampling = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=2)
+            for rid in ("a", "b", "c"):  # a dead replica first: retried elsewhere
+                request = GenerateRequest(rid, tuple(PROMPT), sampling, forced_output_ids=(5, 6, 7))
+                deltas, tokens = await collect(router, request)
+                assert tokens == [5, 6, 7]
+                got = [entry for d in deltas for entry in d.logprobs or []]
+                assert got == scripted_logprobs([5, 6, 7], 2)
+            plain, _ = await collect(router, make_request("d", PROMPT, forced=[5]))
+            assert all(d.logprobs is None for d in plain)
+            await router.aclose()
+    asked = [r for r in local.requests + served.requests if r.request_id != "d"]
+    assert local.requests and served.requests  # both kinds of replica served some
+    assert sorted(r.request_id for r in asked) == ["a", "b", "c"]
+    assert all(r.sampling.logprobs == 2 for r in asked)
 
 
 @pytest.mark.parametrize("policy", ["once", "cache_aware", "dynamo", "session_affinity"])

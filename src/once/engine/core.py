@@ -17,6 +17,7 @@ from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_fro
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
+from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory
 from once.engine.models.llama import LlamaModel
@@ -27,7 +28,13 @@ from once.engine.scheduler import Scheduler, StepUpdate
 from once.engine.speculative import SpecDecodeStats, make_drafter
 from once.engine.speculative.governor import DraftLengthGovernor
 from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
-from once.protocol.engine import FINISH_ABORT, FINISH_ERROR, GenerateRequest, TokenDelta
+from once.protocol.engine import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    GenerateRequest,
+    TokenDelta,
+    TokenLogprob,
+)
 from once.protocol.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
@@ -213,13 +220,16 @@ class LLMEngine:
         requests = [s.request for s in sampled]
         failed = [] if masks is None else masks.apply(logits, requests)
         committed = self._select_tokens(logits, requests)
+        # Read after the masks (constrained rows report the masked distribution) and
+        # before failed requests leave the lists (rows are counted over all of them).
+        logprobs = token_logprobs(logits, requests, committed)  # {} when no row asks
         if failed:
             requests, committed = self._fail_grammars(failed, requests, committed)
         if self.kv.has_connector:
             self._save_new_blocks()
         update = self.scheduler.update_from_output(out, requests, committed)
         self._record(update)
-        deltas += self._deltas(update)
+        deltas += self._deltas(update, logprobs)
         if failed:
             deltas += self._take_pending()  # the failed requests' last deltas
 
@@ -250,12 +260,17 @@ class LLMEngine:
             if self.governor is not None:
                 self.governor.observe_verification(num_drafts, num_accepted)
 
-    def _deltas(self, update: StepUpdate) -> list[TokenDelta]:
+    def _deltas(
+        self, update: StepUpdate, logprobs: dict[str, list[TokenLogprob]]
+    ) -> list[TokenDelta]:
         # Requests still running first, then the finished ones, each in the order they ran.
         running, finished = [], []
         for output in update.outputs:
             request = output.request
             delta = TokenDelta(request.request_id, output.new_token_ids)
+            entries = logprobs.get(request.request_id)
+            if entries is not None:  # cut where a stop ended the request's ids
+                delta.logprobs = entries[: len(output.new_token_ids)]
             if request.num_emitted_tokens == 0:
                 delta.num_cached_tokens = request.metrics.num_cached_tokens
             request.num_emitted_tokens += len(output.new_token_ids)

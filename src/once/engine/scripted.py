@@ -16,6 +16,10 @@ fake instead of a model. It behaves like the real engine where callers can obser
   `num_cached_tokens` on the first delta is the longest cached full-block prefix. As in
   vLLM, at least one prompt token is always computed, and blocks filled by output tokens
   are cached too (so the next turn of a conversation hits them).
+- Logprobs (`SamplingParams.logprobs` = k): fake but deterministic, so layers above can
+  check they carry them: each emitted id has logprob 0.0 (the script is certain) and its
+  top k are the id itself at 0.0, then the next ids up, id + i at -i (see
+  `scripted_logprobs`); nothing when the request did not ask.
 - Timing: `ttft_s` before the first delta, `token_latency_s` per later token; `abort()`
   interrupts either wait at once and ends the stream with finish "abort".
 """
@@ -32,11 +36,21 @@ from once.protocol.engine import (
     GenerateRequest,
     RequestMetrics,
     TokenDelta,
+    TokenLogprob,
 )
 from once.protocol.errors import ContextLengthExceededError, InvalidRequestError, OnceError
 from once.protocol.kv_blocks import block_hashes
 
 Script = Callable[[GenerateRequest], Sequence[int]] | Sequence[Sequence[int]] | None
+
+
+def scripted_logprobs(token_ids: Sequence[int], k: int) -> list[TokenLogprob]:
+    """The scripted engine's logprobs: each id certain (0.0), its k alternatives the id
+    itself and the ids after it, id + i at logprob -i."""
+    return [
+        TokenLogprob(token_id, 0.0, tuple((token_id + i, -float(i)) for i in range(k)))
+        for token_id in token_ids
+    ]
 
 
 class ScriptedEngine:
@@ -118,6 +132,8 @@ class ScriptedEngine:
                 token_times.append(time.monotonic())
                 delay = self.token_latency_s * len(chunk)
                 delta = TokenDelta(request.request_id, chunk)
+                if request.sampling.logprobs is not None and chunk:
+                    delta.logprobs = scripted_logprobs(chunk, request.sampling.logprobs)
                 if index == 0:
                     delta.num_cached_tokens = num_cached
                 if index == len(chunks) - 1:

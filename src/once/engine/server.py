@@ -54,6 +54,7 @@ _SAMPLING_TYPES = {
     "max_tokens": (int,),
     "ignore_eos": (bool,),
     "seed": (int, type(None)),
+    "logprobs": (int, type(None)),
 }
 
 

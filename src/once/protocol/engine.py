@@ -23,6 +23,10 @@ FINISH_ERROR = "error"  # the engine failed this request; see TokenDelta.error
 # matching a regex.
 CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
 
+# The most alternatives a request may ask for per token: OpenAI's top_logprobs limit (and
+# vLLM's default max_logprobs).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class OutputConstraint:
@@ -92,6 +96,9 @@ class SamplingParams:
     seed: int | None = None
     # Structured outputs: the output must follow this grammar (forced outputs ignore it).
     constraint: OutputConstraint | None = None
+    # Log probabilities of the output: None none, 0 each output token's own, k > 0 also
+    # the k most likely ids at its position (TokenDelta.logprobs).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -104,6 +111,15 @@ class SamplingParams:
             raise InvalidRequestError("max_tokens must be >= 1", param="max_tokens")
         if self.constraint is not None and not isinstance(self.constraint, OutputConstraint):
             raise InvalidRequestError("constraint must be an OutputConstraint", param="constraint")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be null or an integer from 0 to {MAX_TOP_LOGPROBS}",
+                param="logprobs",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +139,8 @@ class SamplingParams:
         # constraints accept (they reject unknown sampling fields).
         if self.constraint is not None:
             data["constraint"] = self.constraint.to_dict()
+        if self.logprobs is not None:  # the same rule, for the same servers
+            data["logprobs"] = self.logprobs
         return data
 
     @classmethod
@@ -209,6 +227,39 @@ class RequestMetrics:
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability, and the most likely ids at its position.
+
+    `top_logprobs` holds the request's k most likely `(id, logprob)` pairs, most likely
+    first (empty when it asked for 0); the token itself is among them when it ranks in
+    the top k. Which distribution these come from is the engine's to say (once's engine:
+    the model's own, before temperature and top-k/top-p; engine/logprobs.py).
+    """
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top_logprobs": [[token_id, logprob] for token_id, logprob in self.top_logprobs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TokenLogprob":
+        return cls(
+            token_id=int(data["token_id"]),
+            logprob=float(data["logprob"]),
+            top_logprobs=tuple(
+                (int(token_id), float(logprob))
+                for token_id, logprob in data.get("top_logprobs") or ()
+            ),
+        )
+
+
 @dataclass
 class TokenDelta:
     request_id: str
@@ -217,13 +268,16 @@ class TokenDelta:
     num_cached_tokens: int | None = None  # set on the first delta of a request
     metrics: RequestMetrics | None = None  # set on the last delta
     error: dict | None = None  # OnceError.to_dict() when finish_reason == "error"
+    # When the request asked (SamplingParams.logprobs) and the delta carries ids: one
+    # entry per id in token_ids, in the same order.
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def to_dict(self) -> dict:
-        return {
+        data: dict = {
             "request_id": self.request_id,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
@@ -231,10 +285,14 @@ class TokenDelta:
             "metrics": None if self.metrics is None else self.metrics.to_dict(),
             "error": self.error,
         }
+        if self.logprobs is not None:  # only when set: other deltas keep their old form
+            data["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "TokenDelta":
         metrics = data.get("metrics")
+        logprobs = data.get("logprobs")
         return cls(
             request_id=data["request_id"],
             token_ids=list(data.get("token_ids") or []),
@@ -242,6 +300,7 @@ class TokenDelta:
             num_cached_tokens=data.get("num_cached_tokens"),
             metrics=None if metrics is None else RequestMetrics.from_dict(metrics),
             error=data.get("error"),
+            logprobs=None if logprobs is None else [TokenLogprob.from_dict(e) for e in logprobs],
         )
 
 

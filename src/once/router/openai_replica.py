@@ -23,6 +23,17 @@ it) or `regex`. JSON kinds add `disable_any_whitespace`, as once's engine compil
 without free whitespace (engine/grammar.py). A forced request sends no constraint: forced
 ids bypass it in once's engine too. SGLang names these fields differently (`json_schema`,
 `regex`, `ebnf`) and is not mapped.
+
+Logprobs (`SamplingParams.logprobs` = k) go as `"logprobs": k` with
+`"return_tokens_as_token_ids": true` (a vLLM request field), so each chunk's
+`choices[0].logprobs` names ids rather than text: `tokens` as "token_id:<id>",
+`token_logprobs` (one float per token) and `top_logprobs` (per token, an object from
+"token_id:<id>" to logprob holding the k most likely ids and the sampled one: k + 1 keys
+when the sampled id ranks below k, one key for k = 0). They become one `TokenLogprob` per
+output id, the alternatives ordered by logprob and cut to k (`logprobs_of`). Text keys
+cannot be mapped back to ids (two ids may decode alike), so a replica that sends them is
+a protocol error. vLLM reports the raw distribution by default (`logprobs_mode
+"raw_logprobs"`), as once's engine does, and clamps -inf to -9999.0, kept as sent.
 """
 
 import json
@@ -39,6 +50,7 @@ from once.protocol.engine import (
     OutputConstraint,
     RequestMetrics,
     TokenDelta,
+    TokenLogprob,
 )
 from once.protocol.errors import (
     EngineDeadError,
@@ -76,6 +88,9 @@ def completions_body(request: GenerateRequest, model: str) -> dict:
         body["ignore_eos"] = True
     elif sampling.constraint is not None:
         body["structured_outputs"] = structured_outputs(sampling.constraint)
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
+        body["return_tokens_as_token_ids"] = True  # ids, not text, in the logprobs
     return body
 
 
@@ -126,6 +141,32 @@ def token_ids_of(choice: dict) -> list[int]:
     return []
 
 
+def _token_id_of(key) -> int:
+    if not (isinstance(key, str) and key.startswith(TOKEN_ID_PREFIX)):
+        raise OnceError(
+            "replica sent top logprobs keyed by text, not 'token_id:<id>'; a vLLM that "
+            "ignores return_tokens_as_token_ids can be started with --return-tokens-as-token-ids"
+        )
+    return int(key[len(TOKEN_ID_PREFIX) :])
+
+
+def logprobs_of(choice: dict, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """A chunk's vLLM `logprobs` as one TokenLogprob per id of `token_ids`."""
+    data = choice.get("logprobs") or {}
+    values = data.get("token_logprobs")
+    if values is None or len(values) != len(token_ids) or None in values:
+        raise OnceError("replica sent no logprob for some of its tokens")
+    tops = data.get("top_logprobs") or [None] * len(token_ids)
+    if len(tops) != len(token_ids):
+        raise OnceError("replica sent top logprobs for a different number of tokens")
+    entries = []
+    for token_id, value, top in zip(token_ids, values, tops, strict=True):
+        alternatives = [(_token_id_of(key), float(lp)) for key, lp in (top or {}).items()]
+        alternatives.sort(key=lambda pair: -pair[1])  # stable: vLLM's order breaks ties
+        entries.append(TokenLogprob(token_id, float(value), tuple(alternatives[:k])))
+    return entries
+
+
 class OpenAICompletionsClient:
     def __init__(
         self,
@@ -152,6 +193,7 @@ class OpenAICompletionsClient:
         num_output = 0
         finish_reason: str | None = None
         usage: dict = {}
+        num_logprobs = request.sampling.logprobs
         try:
             async with self._http.stream(
                 "POST", "/v1/completions", json=completions_body(request, self.model)
@@ -173,7 +215,10 @@ class OpenAICompletionsClient:
                         if ids:
                             first_token_at = first_token_at or time.monotonic()
                             num_output += len(ids)
-                            yield TokenDelta(request.request_id, ids)
+                            delta = TokenDelta(request.request_id, ids)
+                            if num_logprobs is not None:
+                                delta.logprobs = logprobs_of(choice, ids, num_logprobs)
+                            yield delta
         except httpx.TransportError as exc:
             raise EngineDeadError(f"lost the replica at {self.base_url}: {exc!r}") from exc
         finally:
