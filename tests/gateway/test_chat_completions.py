@@ -152,7 +152,7 @@ async def test_a_stop_string_cuts_the_text_and_the_engine_request(runtime):
     "change, param",
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"temperature": "0.5"}, "temperature"),
         ({"max_tokens": True}, "max_tokens"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -180,3 +180,27 @@ async def test_a_refused_request_names_its_param_and_the_server_keeps_serving(
             ok = await http.post("/v1/chat/completions", json=body)
     assert ok.json()["choices"][0]["message"]["content"] == "Still here."
     assert len(engine.requests) == 1
+
+
+async def test_logprobs_come_from_the_engine_token_by_token(runtime):
+    text = "Yes, it works."
+    engine = scripted_texts(runtime, [text, text])
+    async with serve_gateway(runtime, engine) as (url, _), client_for(url) as client:
+        messages = [{"role": "user", "content": "Does it?"}]
+        completion = await client.chat.completions.create(
+            model=MODEL, messages=messages, logprobs=True, top_logprobs=2
+        )
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=messages, logprobs=True, stream=True
+        )
+        streamed = [c.choices[0].logprobs for c in [chunk async for chunk in stream] if c.choices]
+    assert engine.requests[0].sampling.logprobs == 2 and engine.requests[1].sampling.logprobs == 0
+    content = completion.choices[0].logprobs.content
+    ids = runtime.builder.encode(text)
+    # The scripted engine's logprobs: 0.0 for its own id, -i for id + i (engine/scripted.py).
+    decode = runtime.tokenizer.backend_tokenizer.decode
+    assert [entry.token for entry in content][: len(ids)] == [decode([i]) for i in ids]
+    assert all(entry.logprob == 0.0 and len(entry.top_logprobs) == 2 for entry in content)
+    assert content[0].top_logprobs[1].logprob == -1.0
+    tokens = [e.token for lp in streamed if lp is not None for e in lp.content]
+    assert "".join(tokens).startswith(text)

@@ -34,6 +34,18 @@ def chat_usage(usage: Usage) -> dict:
     }
 
 
+def chat_logprobs(logprobs) -> list[dict]:
+    """The `ChatCompletionTokenLogprob`s of sampled tokens (output.TextLogprob)."""
+
+    def entry(token: str, logprob: float) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in logprobs
+    ]
+
+
 def finish_reason(event: ResponseFinished, has_tool_calls: bool) -> str:
     if event.status == INCOMPLETE:
         return {"max_output_tokens": "length", "content_filter": "content_filter"}.get(
@@ -53,15 +65,19 @@ class ChatCompletionsEncoder:
         self.text = ""
         self.tool_calls: list[dict] = []
         self.finished: ResponseFinished | None = None
+        self.with_logprobs = request.logprobs is not None
+        self.logprobs: list[dict] = []
 
-    def _chunk(self, delta: dict, reason: str | None = None) -> dict:
+    def _chunk(self, delta: dict, reason: str | None = None, logprobs=None) -> dict:
         chunk = {
             "id": self.id,
             "object": "chat.completion.chunk",
             "created": self.created,
             "model": self.model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}],
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            ],
         }
         if self.include_usage:
             chunk["usage"] = None
@@ -72,7 +88,10 @@ class ChatCompletionsEncoder:
         for event in events:
             if isinstance(event, OutputTextDelta):
                 self.text += event.text
-                wire.append(self._chunk({"content": event.text}))
+                entries = chat_logprobs(event.logprobs or ())
+                self.logprobs += entries
+                logprobs = {"content": entries, "refusal": None} if self.with_logprobs else None
+                wire.append(self._chunk({"content": event.text}, logprobs=logprobs))
             elif isinstance(event, ResponseStarted):
                 wire.append(self._chunk({"role": "assistant", "content": "", "refusal": None}))
             elif isinstance(event, ItemEmitted) and event.item["type"] == "function_call":
@@ -112,6 +131,7 @@ class ChatCompletionsEncoder:
                 for call in self.tool_calls
             ]
         reason = finish_reason(self.finished, bool(self.tool_calls))
+        logprobs = {"content": self.logprobs, "refusal": None} if self.with_logprobs else None
         return {
             "id": self.id,
             "object": "chat.completion",
@@ -119,7 +139,7 @@ class ChatCompletionsEncoder:
             "model": self.model,
             "system_fingerprint": None,
             "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+                {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
             ],
             "usage": chat_usage(self.finished.usage),
         }

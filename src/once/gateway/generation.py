@@ -20,7 +20,15 @@ from collections.abc import AsyncIterator, Callable
 
 from once.gateway.detok import IncrementalDetokenizer
 from once.gateway.metrics import GatewayMetrics
-from once.gateway.output import COMPLETED, FAILED, INCOMPLETE, OutputBuilder, OutputEvent, Usage
+from once.gateway.output import (
+    COMPLETED,
+    FAILED,
+    INCOMPLETE,
+    OutputBuilder,
+    OutputEvent,
+    TextLogprob,
+    Usage,
+)
 from once.gateway.prepare import Prepared
 from once.gateway.safety import SafetyVerdict
 from once.gateway.stops import StopMatcher
@@ -37,6 +45,7 @@ from once.protocol.engine import (
     GenerateRequest,
     SamplingParams,
     TokenDelta,
+    TokenLogprob,
 )
 from once.protocol.errors import OnceError
 
@@ -82,6 +91,7 @@ class Generation:
         self.engine_done = asyncio.Event()
         self._interval_waiter: asyncio.Future | None = None  # see _next
         self.stops = StopMatcher(prepared.request.stop)
+        self.pending_logprobs: list[TextLogprob] = []  # tokens not yet given to a text delta
         # What kinds of tool the model may call (tool_items.py), from everything known.
         known_items = prepared.items if prepared.items is not None else prepared.new_items
         self.declared = declared_types(prepared.request.tools, known_items)
@@ -256,6 +266,11 @@ class Generation:
                 self.cached_tokens = delta.num_cached_tokens
             self.output_ids.extend(delta.token_ids)
             new_ids.extend(delta.token_ids)
+            if delta.logprobs:
+                eos = self.model.builder.eos_ids  # the stop token is no part of the text
+                self.pending_logprobs.extend(
+                    self._text_logprob(lp) for lp in delta.logprobs if lp.token_id not in eos
+                )
             if delta.finished:
                 self.finish_reason = delta.finish_reason
                 if delta.finish_reason == FINISH_ERROR:
@@ -268,9 +283,20 @@ class Generation:
         events = self._text_events(text, parser) if text else []
         return events, self.finish_reason is not None or self.pending_call is not None
 
+    def _text_logprob(self, logprob: TokenLogprob) -> TextLogprob:
+        decode = self.model.tokenizer.backend_tokenizer.decode
+        top = tuple((decode([token_id]), value) for token_id, value in logprob.top_logprobs)
+        return TextLogprob(decode([logprob.token_id]), logprob.logprob, top)
+
+    def _take_logprobs(self) -> tuple[TextLogprob, ...] | None:
+        if self.prepared.request.logprobs is None:
+            return None
+        taken, self.pending_logprobs = tuple(self.pending_logprobs), []
+        return taken
+
     def _text_events(self, text: str, parser) -> EventBatch:
         if parser is None:
-            return self.output.text(text)
+            return self.output.text(text, self._take_logprobs())
         events: EventBatch = []
         for parsed in parser.feed(text):
             events.extend(self._parsed_events(parsed))
@@ -278,7 +304,7 @@ class Generation:
 
     def _parsed_events(self, parsed) -> EventBatch:
         if isinstance(parsed, TextDelta):
-            return self.output.text(parsed.text) if parsed.text else []
+            return self.output.text(parsed.text, self._take_logprobs()) if parsed.text else []
         if isinstance(parsed, ToolCallParsed):
             if self.pending_call is not None:
                 return []  # past a hosted call: the next step writes what follows it

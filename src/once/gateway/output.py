@@ -60,10 +60,22 @@ class MessageOpened:
 
 
 @dataclass(frozen=True)
+class TextLogprob:
+    """One sampled token of the text with its log probability, and the alternatives'."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class OutputTextDelta:
     output_index: int
     item_id: str
     text: str
+    # When asked for: the tokens sampled since the last delta (they need not align with
+    # `text`, which the detokenizer cuts at character boundaries).
+    logprobs: tuple[TextLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +123,7 @@ class OutputBuilder:
     def started(self) -> list[OutputEvent]:
         return [ResponseStarted(self.response_id, self.created_at)]
 
-    def text(self, text: str) -> list[OutputEvent]:
+    def text(self, text: str, logprobs: tuple[TextLogprob, ...] | None = None) -> list[OutputEvent]:
         events: list[OutputEvent] = []
         message = self._open_message
         if message is None:
@@ -125,7 +137,7 @@ class OutputBuilder:
             self.items.append(message)
             events.append(MessageOpened(len(self.items) - 1, {**message, "content": []}))
         message["content"][0]["text"] += text
-        events.append(OutputTextDelta(len(self.items) - 1, message["id"], text))
+        events.append(OutputTextDelta(len(self.items) - 1, message["id"], text, logprobs))
         return events
 
     def function_call(self, name: str, arguments: str) -> list[OutputEvent]:

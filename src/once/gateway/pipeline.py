@@ -278,6 +278,7 @@ class ResponsePipeline:
             max_tokens=min(request.max_output_tokens or room, room),
             stop_token_ids=tuple(sorted(model.builder.eos_ids)),
             seed=request.seed,
+            logprobs=request.logprobs,
             constraint=output_constraint(request, prepared.items or prepared.new_items),
         )
 

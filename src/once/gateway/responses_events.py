@@ -90,6 +90,12 @@ class ResponsesEncoder:
         if isinstance(event, OutputTextDelta):  # the common case first
             part = self.response["output"][event.output_index]["content"][0]
             part["text"] += event.text
+            logprobs = [
+                {"token": lp.token, "logprob": lp.logprob,
+                 "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.top]}
+                for lp in event.logprobs or ()
+            ]  # fmt: skip
+            part["logprobs"] += logprobs
             return [
                 self._event(
                     "response.output_text.delta",
@@ -97,7 +103,7 @@ class ResponsesEncoder:
                     output_index=event.output_index,
                     content_index=0,
                     delta=event.text,
-                    logprobs=[],
+                    logprobs=logprobs,
                 )
             ]
         if isinstance(event, ResponseStarted):
@@ -132,6 +138,8 @@ class ResponsesEncoder:
 
     def _message_closed(self, event: MessageClosed) -> list[dict]:
         message, index = event.item, event.output_index
+        kept = self.response["output"][index]["content"][0]["logprobs"]
+        message["content"][0]["logprobs"] = kept  # the builder keeps text, this encoder these
         self.response["output"][index] = message
         part = message["content"][0]
         return [

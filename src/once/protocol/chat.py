@@ -14,7 +14,7 @@ SDK's `CompletionCreateParams`, each message against the type its `role` names. 
 - `tools` become Responses function tools; a named `tool_choice` becomes
   `{"type": "function", "name": ...}`.
 
-What the engine cannot do is refused with a 400 naming the param (`n` above 1, logprobs,
+What the engine cannot do is refused with a 400 naming the param (`n` above 1,
 penalties, logit bias, audio); `response_format` becomes the Responses `text.format`;
 what changes nothing here is accepted and ignored (`user`, `store`, `service_tier`,
 `reasoning_effort`, `verbosity`, `safety_identifier`, `metadata` is kept).
@@ -137,6 +137,7 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
         metadata=body.get("metadata"),
         stop=stops,
         seed=body.get("seed"),
+        logprobs=(body.get("top_logprobs") or 0) if body.get("logprobs") else None,
         **_text_format(body.get("response_format")),
     )
 
@@ -158,9 +159,8 @@ def include_usage(body: object) -> bool:
 def _refuse_unsupported(body: dict) -> None:
     if (body.get("n") or 1) != 1:
         raise InvalidRequestError("only n=1 is supported", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        param = "logprobs" if body.get("logprobs") else "top_logprobs"
-        raise InvalidRequestError("logprobs are not supported by this server", param=param)
+    if body.get("top_logprobs") and not body.get("logprobs"):
+        raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     for name in _REFUSED_WHEN_SET:
         if body.get(name):
             raise InvalidRequestError(f"{name!r} is not supported by this server", param=name)

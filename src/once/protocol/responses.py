@@ -58,6 +58,8 @@ class ResponsesRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     top_k: int | None = None
+    # Log probabilities of the output text: None off, else how many alternatives a token.
+    logprobs: int | None = None
     # Tools the request named that this server leaves out of the prompt (hosted tools with
     # no backend here); the front end reports them.
     ignored_tools: tuple[str, ...] = ()
@@ -150,7 +152,19 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
         background=bool(body.get("background")),
         text_format=((text.get("format") or {}).get("type") or "text"),
         text_format_spec=text.get("format"),
+        logprobs=_logprobs(body),
     )
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict) -> int | None:
+    """`include: ["message.output_text.logprobs"]` turns them on; `top_logprobs` adds
+    alternatives."""
+    if LOGPROBS_INCLUDE not in (body.get("include") or ()):
+        return None
+    return body.get("top_logprobs") or 0
 
 
 def validate_tool(tool: Any, param: str) -> None:
