@@ -73,7 +73,9 @@ def find_prefix(
     match = states.longest(hashes)
     if match is None:
         return StatelessLookup(hashes, new_items=items)
-    end = spans[match.num_messages - 1][1]
+    last, end = spans[match.num_messages - 1]
+    if not match.state.after_output:
+        match.state.last_role = last["role"]  # the boundary closes this message's turn
     return StatelessLookup(hashes, match.state, items[end:], hashes[match.num_messages - 1])
 
 

@@ -173,7 +173,10 @@ class PromptPreparer:
         """The prompt of a response's next step after a hosted call (hosted.py): the last
         step's context (its prompt without the generation prompt) and the step's items."""
         request, model = prepared.request, prepared.model
+        # The step's context ends with the request's last turn, which the model answered.
+        last = model.renderer.item_messages((prepared.items or prepared.new_items)[-1:])
         context = ConversationState(built.render_key, list(built.context_ids), False)
+        context.last_role = last[-1]["role"] if last else None
         try:
             step = await self._run_cpu(
                 _num_chars(step_items), model.builder.continuation, context, request.tools,

@@ -48,6 +48,9 @@ class ConversationState:
     after_output: bool  # the ids end with model output inside an open assistant turn
     items: tuple[dict, ...] | None = None  # every item so far; None while not loaded
     needs_full_render: bool = False  # a verification failed on this chain
+    # The role of the turn the ids end with, when known (None after a warm-up): a call
+    # that comes next opens a new assistant turn unless that role is "assistant".
+    last_role: str | None = None
 
 
 @dataclass
@@ -110,7 +113,7 @@ class PromptBuilder:
         if messages and messages[0]["role"] == "assistant" and state.after_output:
             # It would merge into the open assistant turn in a full render.
             raise NotIncrementalError("new items continue the previous assistant turn")
-        if _opens_with_call(new_items):
+        if _opens_with_call(new_items) and state.last_role in (None, "assistant"):
             # After a warm-up the ids do not say whether the context ends with an assistant
             # turn, which a leading function_call would join in a full render.
             raise NotIncrementalError("new items may continue the previous assistant turn")
