@@ -117,6 +117,9 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
         top_k=body.get("top_k"),
+        # The Messages API has no prompt_cache_key: its user id names the session (Claude
+        # Code sends its session's), which keeps a conversation on one replica.
+        prompt_cache_key=(body.get("metadata") or {}).get("user_id"),
         metadata={k: str(v) for k, v in (body.get("metadata") or {}).items() if v is not None},
         stop=stops,
         ignored_tools=tuple(ignored),

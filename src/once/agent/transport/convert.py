@@ -129,6 +129,8 @@ def messages_request(request: dict, max_tokens: int) -> dict:
         body["tools"] = tools
     if request.get("temperature") is not None:
         body["temperature"] = min(1.0, request["temperature"])
+    if request.get("prompt_cache_key"):
+        body["metadata"] = {"user_id": request["prompt_cache_key"]}
     return body
 
 
