@@ -5,6 +5,7 @@ The loop's own logic is tested on the in-memory ScriptedTransport in test_loop.p
 
 import json
 
+import anthropic
 import openai
 import pytest
 
@@ -12,8 +13,10 @@ from once.agent.loop import Agent, AgentConfig
 from once.agent.tools.base import ToolContext, ToolResult, ToolSpec
 from once.agent.tools.registry import ToolRegistry
 from once.agent.transport.base import Transport, TransportError
+from once.agent.transport.chat import ChatCompletionsTransport
 from once.agent.transport.fake import ScriptedTransport
 from once.agent.transport.http import HttpTransport
+from once.agent.transport.messages import MessagesTransport
 from once.agent.transport.websocket import WebSocketTransport
 from once.gateway.testing import DEFAULT_MODEL, scripted_texts, serve_gateway
 
@@ -53,13 +56,19 @@ async def run_task(runtime, tmp_path, transport_kind: str, **transport_options):
     engine = scripted_texts(runtime, SCRIPT)
     async with serve_gateway(runtime, engine) as (url, gateway):
         client = client_for(url)
+        anthropic_client = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
         if transport_kind == "ws":
             transport = WebSocketTransport(client, **transport_options)
+        elif transport_kind == "chat":
+            transport = ChatCompletionsTransport(client)
+        elif transport_kind == "messages":
+            transport = MessagesTransport(anthropic_client)
         else:
             transport = HttpTransport(client)
         agent = make_agent(transport, tmp_path)
         result = await agent.run("Echo one, then two.")
         await transport.close()
+        await anthropic_client.close()
         prompts = [list(r.prompt_token_ids) for r in engine.requests]
         return result, transport, prompts, gateway
 
@@ -80,6 +89,21 @@ async def test_websocket_agent_sends_only_new_items_and_matches_http(runtime, tm
     assert cost.model_calls == 3 and cost.tool_calls == 2
     assert cost.cached_tokens > 0  # later calls hit the prefix of earlier ones
     assert "3 model calls" in cost.line()
+
+
+@pytest.mark.parametrize("kind", ["chat", "messages"])
+async def test_the_stateless_apis_carry_the_same_conversation(runtime, tmp_path, kind):
+    """The loop over Chat Completions or Messages: the same prompts as over Responses, and
+    the gateway's kept states make every call after the first tokenize what is new."""
+    result, transport, prompts, gateway = await run_task(runtime, tmp_path, kind)
+    _, _, http_prompts, _ = await run_task(runtime, tmp_path, "http")
+    assert result.stopped == "answer" and result.final_text == "All done."
+    outputs = [i["output"] for i in result.history if i["type"] == "function_call_output"]
+    assert outputs == ["echo: one", "echo: two"]
+    assert prompts == http_prompts
+    metrics = gateway.metrics
+    assert metrics.value(metrics.renders, "incremental") == 2
+    assert transport.stats.full_calls == 3 and result.cost.cached_tokens > 0
 
 
 async def test_lost_chain_is_resent_in_full(runtime, tmp_path):

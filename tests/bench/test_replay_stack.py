@@ -19,6 +19,7 @@ from once.bench.replay.stacks import (
     load_served_runtime,
     make_tiny_replay_model,
     open_stack,
+    stacks_for,
 )
 from once.bench.traces import MINI_SWE_AGENT, Call, Session
 
@@ -98,3 +99,28 @@ async def test_ledger_reconciles_with_engine_and_gateway_counters(served):
     source = report["sources"]["hand"]
     assert source["computed_ratio"] <= 1.25 * source["ideal_ratio"]
     assert source["bytes_ratio"] < 1 and source["tokenized_ratio"] < 1
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses-http"])
+async def test_a_stateless_api_tokenizes_only_what_is_new_and_matches_the_plan(served, api):
+    """Chat Completions and Messages clients resend everything: the gateway's kept states
+    (prefix_states.py) make them tokenize what is new, prompts exactly as planned."""
+    _, runtime = served
+    plans = [plan_session(_session("a"), runtime), plan_session(_session("b", edit_at=2), runtime)]
+    specs = stacks_for(api)
+    records, counters = {}, {}
+    for name, spec in specs.items():
+        records[name], counters[name] = await _replay(served, plans, spec)
+    for name in specs:
+        rows = [row for rows in records[name].values() for row in rows]
+        gateway = counters[name]["gateway"]
+        assert sum(r["tokens_tokenized"] for r in rows) == gateway["tokenized_tokens"]
+        assert gateway["divergences"] == 0
+        assert all(r["prompt_matches_plan"] and r["output_matches_recording"] for r in rows)
+    once_rows = records["once"]["hand/a"]
+    assert all(r["tokens_tokenized"] < r["prompt_tokens"] // 2 for r in once_rows[1:])
+    assert all(r["tokens_tokenized"] == r["prompt_tokens"] for r in records["naive"]["hand/a"])
+    # The edited session: the edit is the first user message, so nothing before it is kept.
+    edited = records["once"]["hand/b"]
+    assert edited[2]["tokens_tokenized"] > edited[1]["tokens_tokenized"]
+    assert counters["once"]["gateway"]["verifications"] > 0
