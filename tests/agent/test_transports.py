@@ -148,7 +148,14 @@ async def test_a_partial_response_is_never_replayed(runtime, tmp_path):
 
 def test_every_transport_plugs_into_the_loop_seam():
     client = openai.AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="x")
-    for transport in (HttpTransport(client), WebSocketTransport(client), ScriptedTransport([])):
+    messages_client = anthropic.AsyncAnthropic(base_url="http://127.0.0.1:9", api_key="x")
+    for transport in (
+        HttpTransport(client),
+        WebSocketTransport(client),
+        ChatCompletionsTransport(client),
+        MessagesTransport(messages_client),
+        ScriptedTransport([]),
+    ):
         assert isinstance(transport, Transport)
 
 
