@@ -11,7 +11,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_clients.json"
 
 
-async def run_clients(names: list[str]) -> dict:
+async def run_clients(names: list[str], structured: bool) -> dict:
     from once.bench.clients.registry import CASES_BY_NAME, run_case
     from once.gateway.testing import load_runtime
 
@@ -21,7 +21,13 @@ async def run_clients(names: list[str]) -> dict:
         print(f"{name} ...", file=sys.stderr, flush=True)
         clients[name] = (await run_case(CASES_BY_NAME[name], runtime)).to_dict()
     failed = sorted(name for name, result in clients.items() if not result["ok"])
-    return {"clients": clients, "clients_failed": len(failed), "failed": failed}
+    report = {"clients": clients, "clients_failed": len(failed), "failed": failed}
+    if structured:
+        from once.bench.clients import structured as structured_outputs
+
+        print("structured outputs on SmolLM2 ...", file=sys.stderr, flush=True)
+        report.update(await structured_outputs.run())
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="once bench clients", description=__doc__)
     parser.add_argument("--clients", nargs="+", choices=list(CASES_BY_NAME))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--no-structured", action="store_true", help="skip the structured outputs on SmolLM2"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
-    report = asyncio.run(run_clients(args.clients or list(CASES_BY_NAME)))
+    names = args.clients or list(CASES_BY_NAME)
+    report = asyncio.run(run_clients(names, structured=not args.no_structured))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
@@ -46,4 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "ok" if result["ok"] else f"FAILED: {result['first_error']}"
             print(f"{name:22} {flags} errors={result['gateway_errors']} {verdict}")
         print(f"clients_failed: {report['clients_failed']}")
+        if "structured_valid_fraction" in report:
+            print(
+                f"structured outputs on SmolLM2: {report['structured_json_valid']}/"
+                f"{report['structured_json_responses']} json_schema responses and "
+                f"{report['structured_forced_calls_valid']}/{report['structured_forced_calls']}"
+                f" forced strict calls valid ({report['structured_wall_s']} s)"
+            )
     return 0 if not report["clients_failed"] else 1
