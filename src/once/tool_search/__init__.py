@@ -1,6 +1,6 @@
 """Tool search: which deferred tools answer a query, for the harness and the gateway.
 
-The harness's `tool_search` over its MCP catalog (agent/tools/search.py adapts its
+The harness's `tool_search` over its MCP catalog (agent/tools/catalog.py adapts its
 `ToolSpec`s) and the gateway's server-side `tool_search` over a request's deferred
 Responses tools (`ToolIndex.from_response_tools`) rank with this one package. It imports
 nothing from the layers that use it and no model: a sentence embedder for the hybrid
