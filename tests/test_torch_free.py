@@ -18,6 +18,7 @@ TORCH_FREE_MODULES = [
     "once.model_files",
     "once.engine.client",  # the remote engine's client, which `once serve` uses
     "once.gateway.app",
+    "once.tool_search",  # the harness's and the gateway's tool search; embedders come in
 ]
 PROTOCOL_MODULES = ["engine", "errors", "kv_blocks", "responses"]
 

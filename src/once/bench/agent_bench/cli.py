@@ -1,7 +1,9 @@
 """`once bench agent`: the harness's bars in one run (see README.md).
 
-- tool search over LiveMCPBench + GitHub's MCP tools: recall@5, exact names, and the
-  first request's tool tokens with deferral vs all tools inline (search.py);
+- tool search over LiveMCPBench + GitHub's MCP tools: recall@5 of the default and the
+  hybrid ranker, over all tasks and each part of the fixed tuning/held-out split, exact
+  names, and the first request's tool tokens with deferral vs all tools inline
+  (search.py);
 - Code Mode vs one tool call per model call on real MCP tools over stdio (code_mode.py);
 - the cache doctor on the recorded sessions' real prefix breaks and on injected ones
   (doctor.py).
@@ -36,6 +38,11 @@ def run_benchmark() -> dict:
         coded = code_mode.run(load_runtime(), Path(tmp))
     summary = {
         "tool_search_recall_at_5": found["tool_search_recall_at_5"],
+        "tool_search_recall_at_5_tuning": found["tool_search_recall_at_5_tuning"],
+        "tool_search_recall_at_5_heldout": found["tool_search_recall_at_5_heldout"],
+        "tool_search_default_ranker": found["tool_search_default_ranker"],
+        "hybrid_recall_at_5_tuning": found.get("hybrid_recall_at_5_tuning"),
+        "hybrid_recall_at_5_heldout": found.get("hybrid_recall_at_5_heldout"),
         "plain_bm25_recall_at_5": found.get("plain_bm25_recall_at_5"),
         "exact_name_top1": found["exact_name_top1"],
         "deferred_prompt_fraction": found["deferred_prompt_fraction"],
