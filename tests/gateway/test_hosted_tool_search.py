@@ -1,7 +1,7 @@
 """Server-side `tool_search`: the gateway runs the model's search inside the response.
 
-The scripted model searches, then calls what it found; the ranker is a fake that matches
-words (the real one is the harness's, tested with it). The response must hold the search
+The scripted model searches, then calls what it found; the ranker is the harness's own
+(once.tool_search), as `once serve` runs it. The response must hold the search
 call, its output and the client's call, in order, as SDK types; the deferred tools never
 reach the prompt's head, and the second step's prompt is the first one's extended.
 """
@@ -11,7 +11,6 @@ import json
 import openai
 from openai.types.responses import Response
 
-from once.gateway.hosted import HostedTools, ToolSearch
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 WEATHER = {
@@ -31,20 +30,13 @@ def block(name: str, **payload) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, **payload}) + "\n</tool_call>"
 
 
-def word_ranker(query: str, tools, limit: int) -> list[dict]:
-    words = set(query.lower().split())
-    scored = [(len(words & set(t["description"].lower().strip(".").split())), t) for t in tools]
-    return [t for score, t in sorted(scored, key=lambda st: -st[0]) if score][:limit]
-
-
 async def test_a_search_runs_in_the_response_and_the_model_calls_what_it_found(runtime):
     texts = [
         block("tool_search", arguments={"query": "weather city"}),
         block("get_weather", arguments={"city": "Oslo"}),
     ]
     engine = scripted_texts(runtime, texts)
-    hosted = HostedTools([ToolSearch(word_ranker)])
-    async with serve_gateway(runtime, engine, hosted=hosted) as (url, gateway):
+    async with serve_gateway(runtime, engine) as (url, gateway):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         response = await client.responses.create(
             model=MODEL, input="Weather in Oslo?", tools=[SEARCH, READ, WEATHER, STOCKS]
@@ -58,7 +50,7 @@ async def test_a_search_runs_in_the_response_and_the_model_calls_what_it_found(r
         {"query": "weather city"},
     )
     assert found.type == "tool_search_output" and found.call_id == search.call_id
-    assert [t.name for t in found.tools] == ["get_weather"]
+    assert [t.name for t in found.tools][0] == "get_weather"  # the best match first
     assert (call.type, call.name) == ("function_call", "get_weather")
     first, second = (list(r.prompt_token_ids) for r in engine.requests)
     head = runtime.tokenizer.decode(first)
@@ -69,7 +61,7 @@ async def test_a_search_runs_in_the_response_and_the_model_calls_what_it_found(r
     assert used.input_tokens == len(first) + len(second)
 
 
-async def test_without_a_hosted_search_the_call_is_the_clients(runtime):
+async def test_a_client_search_is_the_clients_to_run(runtime):
     engine = scripted_texts(runtime, [block("tool_search", arguments={"query": "weather"})])
     async with serve_gateway(runtime, engine) as (url, _):
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

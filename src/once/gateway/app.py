@@ -19,7 +19,7 @@ from once.gateway.auth import KeyRing
 from once.gateway.capacity import CpuCostMeter
 from once.gateway.chat_http import chat_routes
 from once.gateway.config import GatewayConfig
-from once.gateway.hosted import HostedTools
+from once.gateway.hosted import HostedTools, ToolSearch
 from once.gateway.http_io import error_response
 from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
@@ -125,5 +125,5 @@ def create_gateway(
         websocket_max_age_s=config.websocket_max_age_s,
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
-        hosted=hosted,
+        hosted=hosted if hosted is not None else HostedTools([ToolSearch()]),
     )

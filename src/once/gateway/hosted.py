@@ -9,20 +9,25 @@ result and goes on. A response runs at most `MAX_HOSTED_CALLS` of them; past tha
 hosted call stays unanswered in the output and the response completes.
 
 `HostedTool` is the seam: one implementation per hosted tool type. `ToolSearch` serves
-`tool_search` with server execution over the request's `defer_loading` tools, ranked by
-an injected ranker (`Ranker`: the same one the harness's `tool_search` uses).
+`tool_search` with server execution over the request's `defer_loading` tools, with the
+ranker the harness's `tool_search` uses.
 """
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from once.protocol.responses import TOOL_SEARCH_CALL, TOOL_SEARCH_OUTPUT, ResponsesRequest
+from once.protocol.responses import (
+    TOOL_SEARCH_CALL,
+    TOOL_SEARCH_OUTPUT,
+    ResponsesRequest,
+    canonical_json,
+)
+from once.tool_search import DEFAULT_RANKER, Embedder, ToolIndex, merge_namespaces
 
 MAX_HOSTED_CALLS = 8
 DEFAULT_SEARCH_LIMIT = 5
-
-# (query, the searchable tools as Responses function-tool dicts, limit) -> the best first.
-Ranker = Callable[[str, Sequence[dict], int], list[dict]]
+MAX_CACHED_INDEXES = 16
 
 
 class HostedTool(Protocol):
@@ -47,25 +52,15 @@ class HostedTools:
         raise ValueError(f"no hosted tool runs {call['type']!r}")
 
 
-def deferred_tools(tools: Sequence[dict]) -> list[tuple[str | None, dict]]:
-    """(namespace or None, function tool) for every tool marked `defer_loading`."""
-    found: list[tuple[str | None, dict]] = []
-    for tool in tools:
-        if tool.get("type") == "namespace":
-            for nested in tool.get("tools") or ():
-                if nested.get("defer_loading") or tool.get("defer_loading"):
-                    found.append((tool["name"], nested))
-        elif tool.get("type", "function") == "function" and tool.get("defer_loading"):
-            found.append((None, tool))
-    return found
-
-
 class ToolSearch:
-    """Server-side `tool_search`: the model's query against the deferred tools."""
+    """Server-side `tool_search`: the model's query against the request's deferred tools,
+    ranked by the harness's own ranker (once.tool_search: BM25 with its boosts by default;
+    `hybrid` with an embedder). Indexes are kept per tool list, the last few."""
 
-    def __init__(self, ranker: Ranker, limit: int = DEFAULT_SEARCH_LIMIT):
+    def __init__(self, ranker: str = DEFAULT_RANKER, embedder: Embedder | None = None):
         self.ranker = ranker
-        self.limit = limit
+        self.embedder = embedder
+        self._indexes: OrderedDict[str, ToolIndex[dict]] = OrderedDict()
 
     def handles(self, item: dict, request: ResponsesRequest) -> bool:
         return item["type"] == TOOL_SEARCH_CALL and item.get("execution") == "server"
@@ -74,34 +69,25 @@ class ToolSearch:
         arguments = call.get("arguments") or {}
         query = str(arguments.get("query") or arguments.get("input") or "")
         limit = arguments.get("limit")
-        limit = limit if isinstance(limit, int) and 0 < limit <= 20 else self.limit
-        candidates = deferred_tools(request.tools)
-        by_id = {id(tool): namespace for namespace, tool in candidates}
-        best = self.ranker(query, [tool for _, tool in candidates], limit)
+        limit = limit if isinstance(limit, int) and 0 < limit <= 20 else DEFAULT_SEARCH_LIMIT
+        found = self._index(request.tools).search(query, limit)
         return [
             {
                 "type": TOOL_SEARCH_OUTPUT,
                 "call_id": call["call_id"],
                 "execution": "server",
                 "status": "completed",
-                "tools": _grouped(best, by_id, request.tools),
+                "tools": merge_namespaces(found),
             }
         ]
 
-
-def _grouped(best: list[dict], namespace_of: dict[int, str | None], tools: Sequence[dict]):
-    """The found tools as the request declared them: a namespace's under that namespace."""
-    namespaces = {t["name"]: t for t in tools if t.get("type") == "namespace"}
-    out: list[dict] = []
-    groups: dict[str, dict] = {}
-    for tool in best:
-        namespace = namespace_of.get(id(tool))
-        if namespace is None:
-            out.append(tool)
-            continue
-        if namespace not in groups:
-            source = namespaces[namespace]
-            groups[namespace] = {k: v for k, v in source.items() if k != "tools"} | {"tools": []}
-            out.append(groups[namespace])
-        groups[namespace]["tools"].append(tool)
-    return out
+    def _index(self, tools: Sequence[dict]) -> "ToolIndex[dict]":
+        key = canonical_json(list(tools))
+        index = self._indexes.get(key)
+        if index is None:
+            index = ToolIndex.from_response_tools(tools, ranker=self.ranker, embedder=self.embedder)
+            self._indexes[key] = index
+            while len(self._indexes) > MAX_CACHED_INDEXES:
+                self._indexes.popitem(last=False)
+        self._indexes.move_to_end(key)
+        return index
