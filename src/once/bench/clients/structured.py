@@ -22,8 +22,8 @@ SCHEMAS = [
     {
         "type": "object",
         "properties": {
-            "city": {"type": "string"},
-            "population": {"type": "integer"},
+            "city": {"type": "string", "maxLength": 40},
+            "population": {"type": "integer", "minimum": 0, "maximum": 100000000},
             "size": {"enum": ["small", "medium", "large"]},
         },
         "required": ["city", "population", "size"],
@@ -31,13 +31,19 @@ SCHEMAS = [
     },
     {
         "type": "object",
-        "properties": {"steps": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+        "properties": {
+            "steps": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 40},
+                "maxItems": 3,
+            }
+        },
         "required": ["steps"],
         "additionalProperties": False,
     },
     {
         "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "reason": {"type": "string"}},
+        "properties": {"ok": {"type": "boolean"}, "reason": {"type": "string", "maxLength": 60}},
         "required": ["ok", "reason"],
         "additionalProperties": False,
     },
@@ -49,7 +55,10 @@ LOOKUP: dict[str, Any] = {
     "description": "Look up a word in the dictionary.",
     "parameters": {
         "type": "object",
-        "properties": {"word": {"type": "string"}, "limit": {"type": "integer"}},
+        "properties": {
+            "word": {"type": "string", "maxLength": 30},
+            "limit": {"type": "integer", "minimum": 1, "maximum": 100},
+        },
         "required": ["word", "limit"],
         "additionalProperties": False,
     },
@@ -64,7 +73,7 @@ async def _json_response(client, index: int) -> bool:
         input=PROMPTS[index % len(PROMPTS)],
         text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
         temperature=1.0,
-        max_output_tokens=96,
+        max_output_tokens=200,
     )
     return _valid(response.output_text, schema)
 
@@ -76,7 +85,7 @@ async def _forced_call(client, index: int) -> bool:
         tools=[LOOKUP],
         tool_choice={"type": "function", "name": "lookup"},
         temperature=1.0,
-        max_output_tokens=96,
+        max_output_tokens=200,
     )
     calls = [item for item in response.output if item.type == "function_call"]
     return bool(calls) and _valid(calls[0].arguments, LOOKUP["parameters"])
