@@ -5,12 +5,12 @@ tool_items.py); each must come back as its own item type, validated with the SDK
 `Response` model, and go back into the next prompt exactly as a full render writes it.
 """
 
-import json
 
 import httpx
 import openai
 from openai.types.responses import Response
 
+from once.gateway.toolcalls import render_tool_call
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 NAMESPACE = {
@@ -44,7 +44,8 @@ HOSTED = [{"type": "web_search", "external_web_access": False}, {"type": "code_i
 
 
 def block(name: str, **payload) -> str:
-    return "<tool_call>\n" + json.dumps({"name": name, **payload}) + "\n</tool_call>"
+    ((key, value),) = payload.items()
+    return render_tool_call(name, value, key)
 
 
 def client_for(url: str) -> openai.AsyncOpenAI:
@@ -111,8 +112,8 @@ async def test_a_custom_tool_takes_free_form_input_and_streams_its_events(runtim
         )
         assert second.output_text == "Two files."
     prompt = runtime.tokenizer.decode(engine.requests[1].prompt_token_ids)
-    assert '"input": <text as a json string>' in prompt
-    assert json.dumps({"name": "exec", "input": code}) in prompt
+    assert '{"name": <tool-name>}\n<the text>' in prompt
+    assert '<tool_call>\n{"name": "exec"}\n' + code + "\n</tool_call>" in prompt
     assert "<tool_response>\na.py b.py\n</tool_response>" in prompt
 
 

@@ -271,3 +271,29 @@ def test_render_round_trips_through_parse(arguments, parsed_arguments):
     assert calls == [ToolCallParsed(0, "tool_x", parsed_arguments)]
     # Rendering the parsed call again gives the same block: the form is canonical.
     assert render_tool_call("tool_x", parsed_arguments) == render_tool_call("tool_x", arguments)
+
+
+@pytest.mark.parametrize(
+    "text_input",
+    [
+        "*** Begin Patch\n*** Add File: a.txt\n+x\n*** End Patch\n",  # ends in a newline
+        'const r = await tools.ls({});\ntext("a \\"quoted\\" word");',
+        "{not json} and <b>tags</b>",
+    ],
+)
+def test_a_free_form_input_is_written_raw_and_read_back_unchanged(text_input):
+    block = render_tool_call("apply_patch", text_input, key="input")
+    assert block.startswith('<tool_call>\n{"name": "apply_patch"}\n' + text_input)
+    for sizes in (None, [1] * len(block), [7, 3, 11]):
+        events = feed_in_chunks("Patching.\n" + block, sizes)
+        assert events == [TextDelta("Patching."), ToolCallParsed(0, "apply_patch", "", text_input)]
+
+
+def test_a_name_line_with_other_keys_or_nothing_after_it_is_not_a_raw_input():
+    assert feed_in_chunks('<tool_call>\n{"name": "f"}\n</tool_call>') == [
+        ToolCallParsed(0, "f", "{}")  # a function called without arguments
+    ]
+    events = feed_in_chunks('<tool_call>\n{"name": "f", "arguments": {}}\ntrailing\n</tool_call>')
+    assert isinstance(events[0], ToolCallMalformed)
+    json_form = '<tool_call>\n{"name": "f", "input": "a\\nb"}\n</tool_call>'
+    assert feed_in_chunks(json_form) == [ToolCallParsed(0, "f", "", "a\nb")]  # still read

@@ -62,6 +62,8 @@ def grammar_source(constraint: OutputConstraint) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if constraint.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(constraint.text)
+    if constraint.kind == "llguidance":
+        return constraint.text
     return llguidance.LLMatcher.grammar_from_regex(constraint.text)
 
 

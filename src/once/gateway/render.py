@@ -57,8 +57,9 @@ NAMESPACE_NOTE = (
     "the tool's name: <namespace>.<tool>."
 )
 CUSTOM_NOTE = (
-    '\n\nA tool of type "custom" takes free-form text, not JSON arguments:\n<tool_call>\n'
-    '{"name": <tool-name>, "input": <text as a json string>}\n</tool_call>'
+    '\n\nA tool of type "custom" takes free-form text, not JSON: write its name, then the '
+    'text itself on the lines after it (in the tool\'s "format" grammar when it has one):\n'
+    '<tool_call>\n{"name": <tool-name>}\n<the text>\n</tool_call>'
 )
 
 # The anchor conversation continuations are rendered against. Its contents never reach

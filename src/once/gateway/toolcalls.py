@@ -20,6 +20,11 @@ or after the last one) is dropped; all other text passes through unchanged, so a
 with no tool call comes out exactly as written. Block indexes count every block, parsed
 or malformed, in order of appearance.
 
+A free-form (`custom`) tool's input is written raw, as OpenAI's custom tools take it: the
+block holds `{"name": ...}` alone on its first line and the input on the lines after it
+(one newline after the name line and one before the close tag are the form's, not the
+input's). `{"name", "input"}` with the input as a JSON string is read too.
+
 Leniencies, as in vLLM's Hermes parser: a block still open at the end of the output is
 accepted when its body is a complete call (the close tag was cut by a stop sequence);
 "parameters" is read when "arguments" is absent (Llama 3 style); a missing "arguments"
@@ -150,6 +155,9 @@ def _partial_tag_length(text: str, tag: str) -> int:
 
 
 def _parse_call(body: str) -> tuple[str, str, str | None]:
+    raw_input = _raw_input_call(body)
+    if raw_input is not None:
+        return raw_input
     try:
         call = json.loads(body)
     except json.JSONDecodeError as error:
@@ -169,6 +177,22 @@ def _parse_call(body: str) -> tuple[str, str, str | None]:
     if isinstance(arguments, dict):
         return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":")), None
     raise ValueError(f'"arguments" must be an object or a string, got {type(arguments).__name__}')
+
+
+def _raw_input_call(body: str) -> tuple[str, str, str] | None:
+    """A `{"name": ...}` line followed by raw input; None when the body is not that form."""
+    head, newline, rest = body.lstrip("\n").partition("\n")
+    if not newline or not rest.strip():
+        return None
+    try:
+        call = json.loads(head)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or set(call) != {"name"} or not isinstance(call["name"], str):
+        return None
+    if not call["name"]:
+        return None
+    return call["name"], "", rest[:-1] if rest.endswith("\n") else rest
 
 
 def parse_tool_calls(
@@ -197,8 +221,11 @@ def render_tool_call(name: str, arguments: object, key: str = "arguments") -> st
     Arguments that are a JSON object are embedded as that object (so any spacing the
     client used is normalized); anything else is embedded as a JSON string, which
     `parse_tool_calls` gives back unchanged, so rendering never fails on odd history. A
-    free-form tool's `input` is always a JSON string.
+    free-form tool's `input` is written raw after its name line.
     """
+    if key == "input":
+        head = json.dumps({"name": name}, ensure_ascii=False)
+        return f"{OPEN_TAG}\n{head}\n{arguments}\n{CLOSE_TAG}"
     value = arguments
     if key == "arguments" and isinstance(arguments, str):
         try:

@@ -11,7 +11,7 @@ import binascii
 import io
 
 from once.gateway.aliases import ModelAliases
-from once.gateway.constraints import callable_tools, forced_names
+from once.gateway.constraints import callable_tools, check_tool_grammars, forced_names
 from once.gateway.model import ModelRuntime
 from once.gateway.tool_items import OUTPUT_TYPES, output_item_text
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
@@ -35,6 +35,7 @@ def check_semantics(
             param="model",
         )
     check_tool_choice(request)
+    check_tool_grammars(request.tools)
     if request.background:
         raise InvalidRequestError("background responses are not supported", param="background")
     if request.text_format not in TEXT_FORMATS:

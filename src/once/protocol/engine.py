@@ -19,9 +19,10 @@ FINISH_ERROR = "error"  # the engine failed this request; see TokenDelta.error
 
 
 # What an output may be: a JSON value valid under a JSON Schema, any JSON object, a
-# string of a Lark grammar (llguidance's dialect, as OpenAI's custom tools use) or one
-# matching a regex.
-CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex")
+# string of a Lark grammar (llguidance's dialect, as OpenAI's custom tools use), one
+# matching a regex, or one of llguidance's grammar lists (a Lark grammar that names others
+# as `@name`: how a call's grammar embeds a custom tool's).
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex", "llguidance")
 
 # The most alternatives a request may ask for per token: OpenAI's top_logprobs limit (and
 # vLLM's default max_logprobs).
@@ -33,8 +34,9 @@ class OutputConstraint:
     """The grammar an output must follow; the engine enforces it token by token.
 
     `text` is the schema as JSON text (json_schema), empty (json_object), the grammar
-    (lark) or the pattern (regex). Only the shape is checked here; whether the engine can
-    compile it is the engine's check, made before the request is admitted.
+    (lark), the pattern (regex) or `{"grammars": [...]}` as JSON text (llguidance). Only
+    the shape is checked here; whether the engine can compile it is the engine's check,
+    made before the request is admitted.
     """
 
     kind: str
@@ -57,16 +59,24 @@ class OutputConstraint:
             raise InvalidRequestError(
                 f"a {self.kind} constraint needs its text", param="constraint.text"
             )
-        if self.kind == "json_schema":
+        if self.kind in ("json_schema", "llguidance"):
             try:
-                schema = json.loads(self.text)
+                value = json.loads(self.text)
             except ValueError as exc:
                 raise InvalidRequestError(
-                    f"the JSON schema is not valid JSON: {exc}", param="constraint.text"
+                    f"the {self.kind} constraint is not valid JSON: {exc}",
+                    param="constraint.text",
                 ) from None
-            if not isinstance(schema, dict | bool):
+            if self.kind == "json_schema" and not isinstance(value, dict | bool):
                 raise InvalidRequestError(
                     "a JSON schema must be an object or a boolean", param="constraint.text"
+                )
+            if self.kind == "llguidance" and not (
+                isinstance(value, dict) and isinstance(value.get("grammars"), list)
+            ):
+                raise InvalidRequestError(
+                    'an llguidance constraint is an object with a "grammars" list',
+                    param="constraint.text",
                 )
 
     def to_dict(self) -> dict:

@@ -11,7 +11,6 @@ afterwards what reached the gateway: requests by outcome, whether a tool result 
 """
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -21,6 +20,7 @@ from once.gateway.config import GatewayConfig
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.testing import serve_gateway
+from once.gateway.toolcalls import render_tool_call
 
 # Codex's and Claude Code's system prompts and tool lists run past SmolLM2's 8k positions:
 # the scripted engine has no positions to run out of, so the bound is the gateway's.
@@ -29,8 +29,9 @@ TOOL_RESULT_MARK = "<tool_response>"
 
 
 def tool_call_block(name: str, **payload) -> str:
-    """A call as the prompt asks the model to write it (`arguments`, or `input`)."""
-    return "<tool_call>\n" + json.dumps({"name": name, **payload}) + "\n</tool_call>"
+    """A call as the prompt asks the model to write it (`arguments`, or a raw `input`)."""
+    ((key, value),) = payload.items()
+    return render_tool_call(name, value, key)
 
 
 def round_trip_engine(
