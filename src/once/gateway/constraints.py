@@ -18,6 +18,7 @@ of a replay bypass any constraint in the engine.
 import json
 from collections.abc import Sequence
 
+from once.gateway.program_tool import PROGRAM_TOOL_NAME, PROGRAM_TOOL_TYPE, allows
 from once.gateway.tool_items import NAMESPACE_SEPARATOR, is_tool_search
 from once.protocol.engine import OutputConstraint
 from once.protocol.errors import InvalidRequestError
@@ -27,7 +28,8 @@ CALL_GRAMMAR = 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
 
 
 def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[str, dict]:
-    """Every tool the model may call, by the name it calls it: namespaces spelled out."""
+    """Every tool the model may call, by the name it calls it: namespaces spelled out, the
+    `program` tool of programmatic tool calling, not the tools only a program may call."""
     listed = list(tools)
     for item in items:
         if item.get("type") == ADDITIONAL_TOOLS:
@@ -35,11 +37,16 @@ def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[st
     callable_: dict[str, dict] = {}
     for tool in listed:
         kind = tool.get("type", "function")
+        if not allows(tool, "direct"):
+            continue
         if kind == "namespace":
             for nested in tool.get("tools") or ():
-                callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
+                if allows(nested, "direct", tool):
+                    callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
         elif kind in ("function", "custom"):
             callable_[tool["name"]] = tool
+        elif kind == PROGRAM_TOOL_TYPE:
+            callable_[PROGRAM_TOOL_NAME] = {"type": "custom", "name": PROGRAM_TOOL_NAME}
         elif is_tool_search(tool):
             callable_["tool_search"] = {"type": "function", "name": "tool_search"}
     return callable_
