@@ -18,8 +18,10 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 from openai.types.responses import Response
 
+from once.gateway.hosted import HostedTools
+from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.mcp_policy import is_allowed, needs_approval
-from once.gateway.testing import serve_app
+from once.gateway.testing import CannedMcpServers, serve_app
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 from tests.gateway.test_http import client_for, validate_events
 
@@ -242,3 +244,29 @@ def test_allowed_tools_and_approval_filters():
     assert not needs_approval(never_read_only, search) and needs_approval(never_read_only, delete)
     by_name = {"require_approval": {"never": {"tool_names": ["ping"]}, "always": {}}}
     assert not needs_approval(by_name, bare) and needs_approval(by_name, search)
+
+
+async def test_a_tool_error_and_an_unlisted_tool_are_call_errors(runtime):
+    servers = CannedMcpServers(
+        {"http://docs.test/mcp": [{"name": "search_docs", "input_schema": {"type": "object"}}]},
+        answer=lambda name, arguments: ("index offline", True),
+    )
+    hosted = HostedTools([RemoteMcp(servers)])
+    texts = [
+        block("docs.search_docs", arguments={"query": "x"}),
+        block("docs.drop_all", arguments={}),  # not listed: never sent to the server
+        "Both failed.",
+    ]
+    engine = scripted_texts(runtime, texts)
+    tool = mcp_tool("http://docs.test/mcp", require_approval="never")
+    async with serve_gateway(runtime, engine, hosted=hosted) as (url, _):
+        async with client_for(url) as client:
+            response, events = await streamed(client, model=MODEL, input=QUESTION, tools=[tool])
+    _, failed, refused, _ = response.output
+    assert (failed.status, failed.error.type) == ("failed", "mcp_tool_execution_error")
+    assert failed.error.content == [{"type": "text", "text": "index offline"}]
+    assert (refused.error.type, refused.error.code) == ("mcp_protocol_error", -32602)
+    assert "drop_all" in refused.error.message and events.count("response.mcp_call.failed") == 2
+    assert servers.calls == [("http://docs.test/mcp", "search_docs", {"query": "x"})]
+    last = runtime.tokenizer.decode(engine.requests[-1].prompt_token_ids)
+    assert "<tool_response>\nerror: index offline\n</tool_response>" in last
