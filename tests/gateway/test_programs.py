@@ -188,6 +188,33 @@ async def test_a_program_resumes_over_websocket_from_the_connection_state(runtim
         check_prompts(runtime, engine)
 
 
+async def test_a_program_suspends_once_per_round_of_calls(runtime):
+    code = (
+        'const first = await tools.get_weather({city: "Oslo"});\n'
+        "const second = await tools.get_weather({city: first});\n"
+        "text(first, second);"
+    )
+    engine = scripted_texts(runtime, [block(PROGRAM_TOOL_NAME, input=code), FINAL])
+    async with serve_gateway(runtime, engine) as (url, gateway), client_for(url) as client:
+        async with client.responses.connect() as connection:
+            await connection.response.create(
+                model=MODEL, input=[QUESTION], tools=TOOLS, store=False
+            )
+            previous = await completed(connection)
+            for city, answer in (("Oslo", "Bergen"), ("Bergen", "rain")):
+                (call,) = [item for item in previous.output if item.type == "function_call"]
+                assert json.loads(call.arguments) == {"city": city}
+                output = {"type": "function_call_output", "call_id": call.call_id,
+                          "output": answer}  # fmt: skip
+                await connection.response.create(previous_response_id=previous.id, input=[output])
+                previous = await completed(connection)
+        await gateway.drain_verifications()
+        assert metric(gateway, "divergences") == 0
+    assert [item.type for item in previous.output] == ["program_output", "message"]
+    assert previous.output[0].result == "Bergen rain"
+    assert len(engine.requests) == 2  # the model ran twice: the program, the final text
+
+
 async def test_a_replay_repeats_random_numbers_dates_and_timers(runtime):
     # The first run sends Math.random() and Date.now() out as arguments; the replay must
     # compute the same ones, or its call would differ from the recorded one (a 400).
@@ -239,7 +266,7 @@ async def test_a_program_past_its_time_limit_or_throwing_ends_incomplete(runtime
 
 
 async def test_a_changed_program_or_a_missing_output_is_a_400_naming_the_param(runtime):
-    engine = scripted_texts(runtime, [block(PROGRAM_TOOL_NAME, input=PROGRAM)])
+    engine = scripted_texts(runtime, [block(PROGRAM_TOOL_NAME, input=PROGRAM), FINAL])
     async with serve_gateway(runtime, engine) as (url, _), client_for(url) as client:
         first = await client.responses.create(
             model=MODEL, input=[QUESTION], tools=TOOLS, store=False
@@ -267,7 +294,13 @@ async def test_a_changed_program_or_a_missing_output_is_a_400_naming_the_param(r
         forged = {**items[1], "fingerprint": "ptc1.x"}
         error = await refusal([QUESTION, forged, *items[2:], *answers])
         assert error.param == "input[1].fingerprint"
-    assert len(engine.requests) == 1  # no refused request reached the engine
+        assert len(engine.requests) == 1  # no refused request reached the engine
+
+        # Outputs matched by call id resume the program without their call items too.
+        resumed = await client.responses.create(
+            model=MODEL, input=[QUESTION, items[1], *answers], tools=TOOLS, store=False
+        )
+        check_resumed(resumed, first.output[0].call_id)
 
 
 def test_the_program_tool_lists_only_programmatic_functions():

@@ -147,21 +147,26 @@ class _RecordedCalls:
         }
         if namespace is not None:
             item["namespace"] = namespace
-        if ordinal >= len(self.recorded):
+        output = self.outputs.get(item["call_id"])
+        if ordinal < len(self.recorded):
+            self._check_same(ordinal, self.recorded[ordinal], item)
+            if output is None:
+                self._missing([item])
+        elif output is None:  # a new call (an output without its call item still answers)
             self.new_calls[call.call_id] = item
             return None
-        recorded = self.recorded[ordinal]
-        self._check_same(ordinal, recorded, item)
-        output = self.outputs.get(item["call_id"])
-        if output is None:
-            raise InvalidRequestError(
-                f"no function_call_output for call_id {item['call_id']!r} (tools.{call.name}, "
-                f"call {ordinal} of program {self.caller_id!r}): a program resumes only "
-                "with the outputs of all the calls it waits on",
-                param="input",
-            )
         self.replayed.add(call.call_id)
         return Answer(output_text(output))
+
+    def _missing(self, calls: list[dict]) -> None:
+        ids = ", ".join(repr(c["call_id"]) for c in calls)
+        names = ", ".join(f"tools.{c['name']}" for c in calls)
+        raise InvalidRequestError(
+            f"no function_call_output for call_id {ids} ({names} of program "
+            f"{self.caller_id!r}): a program resumes only with the outputs of all the calls "
+            "it waits on at once",
+            param="input",
+        )
 
     def _check_same(self, ordinal: int, recorded: dict, replayed: dict) -> None:
         same = (
@@ -179,10 +184,12 @@ class _RecordedCalls:
 
     def suspended_on(self, waiting: list[ProgramCall]) -> list[dict]:
         """The round the run suspended in: its new calls, as the items the client runs. A
-        round mixing recorded and new calls is a replay that took another path."""
+        round whose other calls were answered lacks these outputs (every call of a round
+        went out at once), or the replay took another path."""
+        new = [self.new_calls[call.call_id] for call in waiting if call.call_id in self.new_calls]
         if any(call.call_id in self.replayed for call in waiting):
-            self._diverged("it now waits on more calls at once than the conversation holds")
-        return [self.new_calls[call.call_id] for call in waiting if call.call_id in self.new_calls]
+            self._missing(new)
+        return new
 
     def check_all_replayed(self) -> None:
         if self.num_calls < len(self.recorded):
