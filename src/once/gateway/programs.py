@@ -24,6 +24,7 @@ WebSocket connection's state: the pipeline hands over every item (HostedTurn).
 """
 
 import json
+from typing import NoReturn
 
 from once.gateway.hosted import HostedOutcome, HostedTurn
 from once.gateway.program_tool import (
@@ -158,7 +159,7 @@ class _RecordedCalls:
         self.replayed.add(call.call_id)
         return Answer(output_text(output))
 
-    def _missing(self, calls: list[dict]) -> None:
+    def _missing(self, calls: list[dict]) -> NoReturn:
         ids = ", ".join(repr(c["call_id"]) for c in calls)
         names = ", ".join(f"tools.{c['name']}" for c in calls)
         raise InvalidRequestError(
@@ -198,7 +199,7 @@ class _RecordedCalls:
                 f"{len(self.recorded)}"
             )
 
-    def _diverged(self, why: str) -> None:
+    def _diverged(self, why: str) -> NoReturn:
         raise InvalidRequestError(
             f"program {self.caller_id!r} diverged on replay: {why}", param="input"
         )
