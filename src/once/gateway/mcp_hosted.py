@@ -181,10 +181,11 @@ class RemoteMcp:
     async def open(self, turn: HostedTurn) -> HostedOutcome | None:
         """List the servers the conversation has not listed; run the approved calls."""
         servers = mcp_servers(turn.request.tools)
-        items: list[dict] = []
-        for label, config in servers.items():
-            if latest_listing(turn.items, label) is None:
-                items.append(await self._listing(label, config))
+        unlisted = [
+            (label, c) for label, c in servers.items() if not latest_listing(turn.items, label)
+        ]
+        # Listed together (one server's delay is the response's, not their sum), in order.
+        items = list(await asyncio.gather(*(self._listing(label, c) for label, c in unlisted)))
         for approval in turn.request.input_items:
             if approval["type"] == MCP_APPROVAL_RESPONSE:
                 call = self._approved_call(approval, turn, servers)

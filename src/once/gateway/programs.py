@@ -9,11 +9,11 @@ waiting on (`caller` = the program), and the request that brings their
 replay: the program runs again from the start, and each call it makes, in order, is
 answered from the conversation:
 
-    call n of program P  ->  id P#n; the conversation's n-th function_call of P must be
-                             the same call (name, namespace, arguments), else it diverged
-                         ->  its function_call_output answers it; none: a 400 naming it
-                         ->  no n-th call recorded: a new call; the round's new calls
-                             suspend the run again
+    call n of program P  ->  id P#n; the conversation's function_call P#n must be the
+                             same call (name, namespace, arguments), else it diverged
+                         ->  the function_call_output P#n answers it; none: a 400 naming it
+                         ->  neither recorded: a new call; the round's new calls suspend
+                             the run again
 
 until it suspends again or ends. At its end the `program_output` item holds its text
 output (what it printed, then what it returned; capped head and tail), `completed`, or
@@ -122,7 +122,8 @@ class _RecordedCalls:
         self.functions = programmable_functions(turn.request.tools)
         conversation = [*turn.items, *turn.output]
         mine = [item for item in conversation if program_caller(item) == caller_id]
-        self.recorded = [item for item in mine if item["type"] == FUNCTION_CALL]
+        # By call id: call n of the program is P#n wherever the client put it.
+        self.recorded = {item["call_id"]: item for item in mine if item["type"] == FUNCTION_CALL}
         self.outputs = {item["call_id"]: item for item in mine if item["type"] != FUNCTION_CALL}
         self.num_calls = 0
         self.new_calls: dict[int, dict] = {}  # V8 call id -> the function_call item to emit
@@ -149,8 +150,9 @@ class _RecordedCalls:
         if namespace is not None:
             item["namespace"] = namespace
         output = self.outputs.get(item["call_id"])
-        if ordinal < len(self.recorded):
-            self._check_same(ordinal, self.recorded[ordinal], item)
+        recorded = self.recorded.get(item["call_id"])
+        if recorded is not None:
+            self._check_same(ordinal, recorded, item)
             if output is None:
                 self._missing([item])
         elif output is None:  # a new call (an output without its call item still answers)
@@ -171,8 +173,7 @@ class _RecordedCalls:
 
     def _check_same(self, ordinal: int, recorded: dict, replayed: dict) -> None:
         same = (
-            recorded.get("call_id") == replayed["call_id"]
-            and recorded.get("name") == replayed["name"]
+            recorded.get("name") == replayed["name"]
             and recorded.get("namespace") == replayed.get("namespace")
             and _json(recorded.get("arguments") or "") == _json(replayed["arguments"])
         )
