@@ -463,3 +463,13 @@ def test_docs_example_is_what_the_code_renders(runtime):
     assert tokenizer.decode(new_ids) == doc_block(doc, "example-continuation", "text")
     full = builder.full(KEY, instructions, tools, [*items, *output, *new_items])
     assert continued.prompt_ids == full.prompt_ids
+
+
+def test_docs_hosted_example_is_what_the_code_renders(runtime):
+    """The hosted tools' example: a program (its own calls not shown), an MCP listing and
+    call, as docs/rendering.md says."""
+    doc = DOC.read_text()
+    body = json.loads(doc_block(doc, "hosted-request", "json"))
+    parse_request(body)
+    prompt = prompt_text(runtime, None, body["tools"], body["input"])
+    assert prompt == doc_block(doc, "hosted-prompt", "text")

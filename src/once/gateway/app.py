@@ -21,11 +21,13 @@ from once.gateway.chat_http import chat_routes
 from once.gateway.config import GatewayConfig
 from once.gateway.hosted import HostedTools, ToolSearch
 from once.gateway.http_io import error_response
+from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prefix_states import PrefixStates
+from once.gateway.programs import ProgrammaticToolCalling
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.responses_http import responses_routes
 from once.gateway.store import open_store
@@ -101,6 +103,12 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     return app
 
 
+def default_hosted_tools() -> HostedTools:
+    """The hosted tools `once serve` runs: remote MCP servers, programs and server-side tool
+    search (their order is the order their work before generation appears in a response)."""
+    return HostedTools([RemoteMcp(), ProgrammaticToolCalling(), ToolSearch()])
+
+
 def create_gateway(
     config: GatewayConfig,
     engine: EngineClient,
@@ -108,7 +116,8 @@ def create_gateway(
     registry: CollectorRegistry | None = None,
     hosted: HostedTools | None = None,
 ) -> ResponsePipeline:
-    """Wire the gateway's own parts around an engine client and the served models."""
+    """Wire the gateway's own parts around an engine client and the served models;
+    `hosted`, the hosted tools, defaults to `default_hosted_tools()`."""
     registry = registry or CollectorRegistry()
     keyring = KeyRing.from_file(config.api_keys_file) if config.api_keys_file else KeyRing.open()
     return ResponsePipeline(
@@ -125,5 +134,5 @@ def create_gateway(
         websocket_max_age_s=config.websocket_max_age_s,
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
-        hosted=hosted if hosted is not None else HostedTools([ToolSearch()]),
+        hosted=default_hosted_tools() if hosted is None else hosted,
     )

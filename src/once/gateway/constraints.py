@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import llguidance
 
+from once.gateway.program_tool import PROGRAM_TOOL_NAME, PROGRAM_TOOL_TYPE, allows
 from once.gateway.tool_items import NAMESPACE_SEPARATOR, is_tool_search
 from once.gateway.toolcalls import CLOSE_TAG, OPEN_TAG
 from once.protocol.engine import OutputConstraint
@@ -35,7 +36,8 @@ ANY_OBJECT = {"type": "object"}
 
 
 def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[str, dict]:
-    """Every tool the model may call, by the name it calls it: namespaces spelled out."""
+    """Every tool the model may call, by the name it calls it: namespaces spelled out, the
+    `program` tool of programmatic tool calling, not the tools only a program may call."""
     listed = list(tools)
     for item in items:
         if item.get("type") == ADDITIONAL_TOOLS:
@@ -43,11 +45,16 @@ def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[st
     callable_: dict[str, dict] = {}
     for tool in listed:
         kind = tool.get("type", "function")
+        if not allows(tool, "direct"):
+            continue
         if kind == "namespace":
             for nested in tool.get("tools") or ():
-                callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
+                if allows(nested, "direct", tool):
+                    callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
         elif kind in ("function", "custom"):
             callable_[tool["name"]] = tool
+        elif kind == PROGRAM_TOOL_TYPE:
+            callable_[PROGRAM_TOOL_NAME] = {"type": "custom", "name": PROGRAM_TOOL_NAME}
         elif is_tool_search(tool):
             callable_["tool_search"] = {"type": "function", "name": "tool_search"}
     return callable_

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from once.gateway.detok import IncrementalDetokenizer
+from once.gateway.mcp_policy import approval_rule
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.output import (
     COMPLETED,
@@ -92,9 +93,13 @@ class Generation:
         self._interval_waiter: asyncio.Future | None = None  # see _next
         self.stops = StopMatcher(prepared.request.stop)
         self.pending_logprobs: list[TextLogprob] = []  # tokens not yet given to a text delta
-        # What kinds of tool the model may call (tool_items.py), from everything known.
+        # What kinds of tool the model may call (tool_items.py), from everything known, and
+        # which MCP calls wait for approval (by the listings so far, this response's too).
         known_items = prepared.items if prepared.items is not None else prepared.new_items
         self.declared = declared_types(prepared.request.tools, known_items)
+        self.needs_approval = approval_rule(
+            prepared.request.tools, known_items, prepared.output.items
+        )
 
     def usage(self) -> Usage:
         before = self.usage_before
@@ -308,9 +313,11 @@ class Generation:
         if isinstance(parsed, ToolCallParsed):
             if self.pending_call is not None:
                 return []  # past a hosted call: the next step writes what follows it
-            item = call_item(parsed.name, parsed.arguments, parsed.input, self.declared)
+            item = call_item(
+                parsed.name, parsed.arguments, parsed.input, self.declared, self.needs_approval
+            )
             if self.runs_here(item):
-                events = self.output.tool_call(item)
+                events = self.output.hosted_call(item)
                 self.pending_call = self.output.items[-1]
                 return events
             if self.output.num_client_calls and not self.prepared.request.parallel_tool_calls:

@@ -7,8 +7,9 @@ shape (a `message` with one `output_text` part, a `function_call`): that is what
 renderer reads back when the conversation continues, and what the store keeps.
 
 Order, always: `ResponseStarted`, then per item either `MessageOpened`, one or more
-`OutputTextDelta`, `MessageClosed`, or one `ItemEmitted`; `ResponseFinished` last.
-Events carry copies of the items, so an encoder may keep them.
+`OutputTextDelta`, `MessageClosed`, or one `ItemEmitted`, or, for an item the gateway
+works on before it is done (an MCP call), `ItemStarted` and later its `ItemEmitted`;
+`ResponseFinished` last. Events carry copies of the items, so an encoder may keep them.
 """
 
 import secrets
@@ -29,7 +30,17 @@ ID_PREFIXES = {
     "local_shell_call": "lsh",
     "shell_call": "sh",
     "apply_patch_call": "apc",
+    "program": "prog",
+    "program_output": "progo",
+    "mcp_call": "mcp",
+    "mcp_list_tools": "mcpl",
+    "mcp_approval_request": "mcpr",
 }
+# Call items the SDK types without a call_id, or without a status.
+WITHOUT_CALL_ID = ("mcp_call", "mcp_approval_request")
+WITHOUT_STATUS = ("program", "mcp_approval_request")
+# Hosted calls shown in progress while the gateway runs them (the others are done at once).
+RUN_IN_PROGRESS = ("mcp_call",)
 
 
 def new_id(prefix: str) -> str:
@@ -85,6 +96,12 @@ class MessageClosed:
 
 
 @dataclass(frozen=True)
+class ItemStarted:
+    output_index: int
+    item: dict  # an item the gateway works on (status in_progress); its ItemEmitted follows
+
+
+@dataclass(frozen=True)
 class ItemEmitted:
     output_index: int
     item: dict  # a complete item: a call of any kind (calls are parsed whole), or what a
@@ -105,6 +122,7 @@ OutputEvent = (
     | MessageOpened
     | OutputTextDelta
     | MessageClosed
+    | ItemStarted
     | ItemEmitted
     | ResponseFinished
 )
@@ -119,8 +137,14 @@ class OutputBuilder:
         self.items: list[dict] = []
         self.finished: ResponseFinished | None = None
         self._open_message: dict | None = None
+        self._announced = False
+        self._in_progress: set[str] = set()  # ids of started items not done yet
 
     def started(self) -> list[OutputEvent]:
+        """The response's first event, once: later steps of the response start no other."""
+        if self._announced:
+            return []
+        self._announced = True
         return [ResponseStarted(self.response_id, self.created_at)]
 
     def text(self, text: str, logprobs: tuple[TextLogprob, ...] | None = None) -> list[OutputEvent]:
@@ -143,20 +167,40 @@ class OutputBuilder:
     def function_call(self, name: str, arguments: str) -> list[OutputEvent]:
         return self.tool_call({"type": "function_call", "name": name, "arguments": arguments})
 
-    def tool_call(self, fields: dict) -> list[OutputEvent]:
-        """A whole call item of any kind (tool_items.py): `fields` without ids or status."""
+    def tool_call(self, fields: dict, in_progress: bool = False) -> list[OutputEvent]:
+        """A whole call item of any kind (tool_items.py): `fields` without ids or status.
+        `in_progress`: the gateway runs it now, and `hosted_items` finishes it."""
         events = self._close_message(COMPLETED)
-        prefix = ID_PREFIXES.get(fields["type"], "call")
-        item = {"id": new_id(prefix), "status": "completed", "call_id": new_id("call"), **fields}
-        item = {"id": item["id"], "type": item["type"], **item}  # the SDK's key order
+        kind = fields["type"]
+        item = {"id": new_id(ID_PREFIXES.get(kind, "call")), "type": kind}  # the SDK's order
+        if kind not in WITHOUT_STATUS:
+            item["status"] = "in_progress" if in_progress else "completed"
+        if kind not in WITHOUT_CALL_ID:
+            item["call_id"] = new_id("call")
+        item.update(fields)
         self.items.append(item)
-        events.append(ItemEmitted(len(self.items) - 1, dict(item)))
+        if in_progress:
+            self._in_progress.add(item["id"])
+            events.append(ItemStarted(len(self.items) - 1, dict(item)))
+        else:
+            events.append(ItemEmitted(len(self.items) - 1, dict(item)))
         return events
 
+    def hosted_call(self, fields: dict) -> list[OutputEvent]:
+        """A call the gateway runs (hosted.py): in progress until its tool finishes it."""
+        return self.tool_call(fields, in_progress=fields["type"] in RUN_IN_PROGRESS)
+
     def hosted_items(self, items: list[dict]) -> list[OutputEvent]:
-        """Items a tool run by the gateway gave back, complete, with ids where they lack one."""
+        """Items a tool run by the gateway gave back, complete, with ids where they lack one;
+        one with the id of an item in progress finishes it in place."""
         events = self._close_message(COMPLETED)
         for item in items:
+            if item.get("id") in self._in_progress:
+                self._in_progress.discard(item["id"])
+                index = next(i for i, old in enumerate(self.items) if old["id"] == item["id"])
+                self.items[index] = item = dict(item)
+                events.append(ItemEmitted(index, dict(item)))
+                continue
             item = {"id": new_id(ID_PREFIXES.get(item["type"], "item")), **item}
             self.items.append(item)
             events.append(ItemEmitted(len(self.items) - 1, dict(item)))

@@ -2,7 +2,8 @@
 
     admit    schema -> semantics -> API key -> request rate limit      (400/401/404/429)
     prepare  previous state -> render + tokenize (only the new items of a continuation)
-             -> context length -> token rate limit
+             -> context length -> token rate limit -> the hosted tools' work the request
+             brings (a program's outputs, an MCP approval or listing; hosted.py)
     stream   dispatch to the EngineClient with the input check beside it -> detokenize,
              parse tool calls -> neutral output events -> the API's encoder -> framing;
              the conversation is saved before the final event goes out, since a client
@@ -32,10 +33,10 @@ from once.gateway.capacity import CpuCostMeter
 from once.gateway.constraints import output_constraint
 from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
 from once.gateway.generation import EventBatch, Generation
-from once.gateway.hosted import MAX_HOSTED_CALLS, HostedTools
+from once.gateway.hosted import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, HostedTurn
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
-from once.gateway.output import COMPLETED, Usage
+from once.gateway.output import COMPLETED, OutputEvent, Usage
 from once.gateway.prefix_states import KeptState, PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
@@ -140,7 +141,7 @@ class ResponsePipeline:
                 body = await inherit(body)
             request = parse(body)
             if not request.ignored_tools:
-                hosted = hosted_tool_names(request.tools)
+                hosted = hosted_tool_names(request.tools, self.hosted.tool_types)
                 request = replace(request, ignored_tools=tuple(hosted)) if hosted else request
             model = check_semantics(request, self.models, self.aliases)
             tenant = self.keyring.authenticate(authorization)
@@ -161,6 +162,7 @@ class ResponsePipeline:
                 admission.request, admission.tenant, admission.model, connection, int(time.time())
             )
             await self.limiter.hit_tokens(admission.tenant, len(prepared.built.prompt_ids))
+            prepared.opened = await self._open_hosted(prepared)
         except OnceError:
             self.metrics.requests.labels(admission.transport, "error").inc()
             raise
@@ -171,6 +173,15 @@ class ResponsePipeline:
             mode = "sse"
         self.metrics.api_requests.labels(admission.api, mode).inc()
         return prepared
+
+    async def _open_hosted(self, prepared: Prepared) -> HostedOutcome | None:
+        """The hosted tools' work the request brings before generation (hosted.py): here,
+        before the first event, so a request that cannot go on is refused like any other."""
+        request = prepared.request
+        if not request.generate or not self.hosted.opens(request):
+            return None
+        items = await self.preparer.load_items(prepared)
+        return await self.hosted.open(HostedTurn(request, items))
 
     async def count_prompt_tokens(self, admission: Admission) -> int:
         return await self.preparer.count_prompt_tokens(
@@ -228,8 +239,18 @@ class ResponsePipeline:
                     yield batch, FinalSave(context, [], finished.status == COMPLETED)
             return
         verification = self._start_verification(prepared)
-        runs_here = self.hosted.runs_here(prepared.request)
+        output = prepared.output
         built, usage = prepared.built, Usage(0, 0, 0)
+        if prepared.opened is not None:
+            # What the request resumed or brought (hosted.py) comes first.
+            batch = output.started() + output.hosted_items(prepared.opened.items)
+            if prepared.opened.suspend:
+                final = FinalSave(list(built.context_ids), [], True, verification)
+                yield batch + self._suspended(prepared, usage), final
+                return
+            yield batch, None
+            built = await self.preparer.next_step(prepared, built, output.items)
+        runs_here = self.hosted.runs_here(prepared.request)
         for num_hosted in range(MAX_HOSTED_CALLS + 1):
             generation = Generation(
                 self.engine,
@@ -242,9 +263,9 @@ class ResponsePipeline:
                 runs_here=runs_here if num_hosted < MAX_HOSTED_CALLS else lambda item: False,
                 usage_before=usage,
             )
-            step_start = len(prepared.output.items)
+            step_start = len(output.items)
             async for batch in generation.events():
-                if prepared.output.finished is None:
+                if output.finished is None:
                     yield batch, None
                     continue
                 self._record_detokenize(prepared, generation)
@@ -254,14 +275,28 @@ class ResponsePipeline:
                 yield batch, FinalSave(built.prompt_ids + ids, ids, save, verification)
             if generation.pending_call is None:
                 return
-            # A hosted call: run it, show its items, and go on from a prompt holding them.
+            # A hosted call: run it, show its items, and go on from a prompt holding them;
+            # or end here when the client must act first (the state: the step's context
+            # and its items, rendered, as a continuation finds a closed turn).
             self._record_detokenize(prepared, generation)
-            items = await self.hosted.run(generation.pending_call, prepared.request)
-            yield prepared.output.hosted_items(items), None
-            usage = generation.usage()
-            built = await self.preparer.next_step(
-                prepared, built, prepared.output.items[step_start:]
+            turn = HostedTurn(
+                prepared.request, await self.preparer.load_items(prepared), tuple(output.items)
             )
+            outcome = await self.hosted.run(generation.pending_call, turn)
+            usage = generation.usage()
+            batch = output.hosted_items(outcome.items)
+            if not outcome.suspend:
+                yield batch, None  # shown before the next step's prompt is built
+            built = await self.preparer.next_step(prepared, built, output.items[step_start:])
+            if outcome.suspend:
+                final = FinalSave(list(built.context_ids), [], True, verification)
+                yield batch + self._suspended(prepared, usage), final
+                return
+
+    def _suspended(self, prepared: Prepared, usage: Usage) -> list[OutputEvent]:
+        """The response ends where a hosted tool waits for the client (hosted.py)."""
+        self.metrics.record_usage(usage)
+        return prepared.output.finish(COMPLETED, usage)
 
     def _record_detokenize(self, prepared: Prepared, generation: Generation) -> None:
         self.meter.record("detokenize", generation.detok_cpu_s, len(generation.output_ids))

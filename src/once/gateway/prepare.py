@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from once.gateway.auth import Tenant
 from once.gateway.conversation import ConnectionCache, Conversations
+from once.gateway.hosted import HostedOutcome
 from once.gateway.metrics import AddedTime, GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import OutputBuilder, new_id
@@ -66,6 +67,8 @@ class Prepared:
     # tokenize, detokenize, events, framing.
     cpu_s: float = 0.0
     added: AddedTime = field(default_factory=AddedTime)
+    # What hosted tools did with the request before generation (hosted.py), if anything.
+    opened: HostedOutcome | None = None
     output: OutputBuilder = field(init=False)
 
     def __post_init__(self):
@@ -191,6 +194,18 @@ class PromptPreparer:
         _check_length(step, model)
         self.metrics.record_build(step)
         return step
+
+    async def load_items(self, prepared: Prepared) -> tuple[dict, ...]:
+        """Every item of the conversation, this request's last: read back from the chain of
+        stored responses when the state did not hold them (kept in `prepared.items`)."""
+        if prepared.items is None:
+            request = prepared.request
+            assert request.previous_response_id is not None  # else the request holds them all
+            state = await self.conversations.previous_state(
+                request.previous_response_id, prepared.tenant, prepared.connection
+            )
+            prepared.items = await self._all_items(state, request, prepared.tenant)
+        return prepared.items
 
     async def count_prompt_tokens(
         self, request: ResponsesRequest, tenant: Tenant, model: ModelRuntime

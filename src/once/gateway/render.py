@@ -11,7 +11,10 @@ Two renderings, chosen by what the template can do:
   turn; a `function_call_output` as a `tool` turn holding `<tool_response>...
   </tool_response>`; a `tool_search_output` (tools discovered mid-session) as a `tool`
   turn holding the new definitions in `<tools>...</tools>`, where it occurs, so the head of
-  the prompt never changes when tools are discovered.
+  the prompt never changes when tools are discovered. The hosted tools' items (a
+  `program` and its `program_output`, an MCP server's `mcp_list_tools`, its `mcp_call`s
+  and approvals) are calls, tool turns and system turns the same way; a program's own
+  calls and their outputs show nothing (only the program reads them).
 - **Native tools** (templates that mention `tools`, such as Qwen's): messages carry
   `tool_calls` and `role: tool`, and the tool list goes to the template.
 
@@ -24,8 +27,19 @@ background verification in `tokens.py` catches any template where it does not.
 import json
 from collections.abc import Sequence
 
+from once.gateway.mcp_policy import (
+    MCP_APPROVAL_RESPONSE,
+    MCP_CALL,
+    MCP_LIST_TOOLS,
+    call_result_text,
+    declined_text,
+    listing_error_text,
+    listing_namespace,
+)
+from once.gateway.program_tool import PROGRAM_TOOL_TYPE, allows, is_program_internal, program_tool
 from once.gateway.tool_items import (
     CALL_TYPES,
+    HOSTED_CALL_TYPES,
     OUTPUT_TYPES,
     TOOL_SEARCH_PARAMETERS,
     TYPED_CLIENT_TOOLS,
@@ -75,10 +89,13 @@ class NotIncrementalError(Exception):
     """The template does not render these messages independently of what precedes them."""
 
 
-def canonical_tool(tool: dict) -> dict | None:
+def canonical_tool(tool: dict, tools: Sequence[dict] = ()) -> dict | None:
     """The fields of a tool that reach the prompt, in one fixed shape (tool_items.py says
-    how each kind is called); None for a hosted tool, which does not reach it."""
+    how each kind is called); None for a hosted tool, which does not reach it. `tools`, the
+    whole list, is what the `program` tool's description lists (program_tool.py)."""
     kind = tool.get("type") or ("namespace" if "tools" in tool else "function")
+    if kind == PROGRAM_TOOL_TYPE:
+        return program_tool(tools)
     if kind == "namespace":
         out: dict = {"type": "namespace", "name": tool.get("name", "")}
         if tool.get("description"):
@@ -110,9 +127,27 @@ def canonical_tool(tool: dict) -> dict | None:
 
 
 def sorted_tools(tools: Sequence[dict]) -> list[dict]:
-    canon = [c for c in (canonical_tool(t) for t in head_tools(tools)) if c is not None]
+    shown = direct_tools(head_tools(tools))
+    canon = [c for c in (canonical_tool(t, tools) for t in shown) if c is not None]
     # The whole serialization breaks ties, so even two tools of one name have one order.
     return sorted(canon, key=lambda t: (t["name"], canonical_json(t)))
+
+
+def direct_tools(tools: Sequence[dict]) -> Sequence[dict]:
+    """Without the tools only a program may call (`allowed_callers` without "direct")."""
+    if not any("allowed_callers" in t or t.get("type") == "namespace" for t in tools):
+        return tools
+    kept = []
+    for tool in tools:
+        if not allows(tool, "direct"):
+            continue
+        if tool.get("type") == "namespace":
+            nested = [t for t in tool.get("tools") or () if allows(t, "direct", tool)]
+            if not nested:
+                continue
+            tool = {**tool, "tools": nested}
+        kept.append(tool)
+    return kept
 
 
 def head_tools(tools: Sequence[dict]) -> Sequence[dict]:
@@ -190,31 +225,53 @@ class PromptRenderer:
         conversation may be cut after any message at that many items."""
         messages: list[dict] = []
         ends: list[int] = []
+
+        def call(parts: tuple) -> bool:
+            """The call joins the assistant turn before it, or opens one: True if joined."""
+            joined = bool(messages) and messages[-1]["role"] == "assistant"
+            if not joined:
+                messages.append({"role": "assistant", "content": "", "_calls": []})
+            messages[-1]["_calls"].append(parts)
+            return joined
+
+        def tool_turn(text: str, response: bool = True) -> None:
+            messages.append({"role": "tool", "content": text, "_calls": []})
+            messages[-1]["_response"] = response
+
         for index, item in enumerate(items):
             kind = item["type"]
-            if kind == MESSAGE:
+            before, joined = len(messages), False
+            if is_program_internal(item):
+                pass  # a program's own calls and their outputs: only the program reads them
+            elif kind == MESSAGE:
                 role = item.get("role", "user")
                 role = "system" if role == "developer" else role
                 messages.append({"role": role, "content": message_text(item), "_calls": []})
-            elif kind in CALL_TYPES:
-                if not messages or messages[-1]["role"] != "assistant":
-                    messages.append({"role": "assistant", "content": "", "_calls": []})
-                messages[-1]["_calls"].append(call_parts(item))
+            elif kind == MCP_CALL and item.get("approval_request_id"):
+                tool_turn(call_result_text(item))  # its approval request showed the call
+            elif kind in CALL_TYPES or kind in HOSTED_CALL_TYPES:
+                joined = call(call_parts(item))
+                if kind == MCP_CALL:  # run by the gateway: its result follows at once
+                    tool_turn(call_result_text(item))
             elif kind in OUTPUT_TYPES:
-                text = output_item_text(item)
-                messages.append({"role": "tool", "content": text, "_calls": []})
-                messages[-1]["_response"] = True
+                tool_turn(output_item_text(item))
             elif kind == TOOL_SEARCH_OUTPUT:
                 block = "<tools>\n" + tools_block(item.get("tools") or ()) + "\n</tools>"
-                messages.append({"role": "tool", "content": block, "_calls": []})
+                tool_turn(block, response=False)
             elif kind == ADDITIONAL_TOOLS and sorted_tools(item.get("tools") or ()):
                 section = tools_section(item.get("tools") or ())
                 messages.append({"role": "system", "content": section, "_calls": []})
+            elif kind == MCP_LIST_TOOLS:
+                text = listing_error_text(item) if item.get("error") else ""
+                text = text or tools_section([listing_namespace(item)])
+                messages.append({"role": "system", "content": text, "_calls": []})
+            elif kind == MCP_APPROVAL_RESPONSE and not item.get("approve"):
+                tool_turn(declined_text(item))
             # reasoning items, and the calls of hosted tools, carry nothing the model reads
-            if len(ends) < len(messages):
-                ends.append(index + 1)
-            elif ends:
-                ends[-1] = index + 1  # joined the turn before (a call, a skipped item)
+            if len(messages) > before:
+                ends.extend([index + 1] * (len(messages) - before))
+            if ends and (joined or len(messages) == before):
+                ends[before - 1 if joined else -1] = index + 1  # joined the turn before
         return [(self._finish(m), end) for m, end in zip(messages, ends, strict=True)]
 
     def _finish(self, message: dict) -> dict:

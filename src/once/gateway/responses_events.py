@@ -3,10 +3,19 @@
 `ResponsesEncoder` owns one response object and hands out its stream events in order,
 each with the next `sequence_number`. Shapes follow the official SDK's types (`Response`,
 `ResponseStreamEvent`); the tests parse every object and event with them.
+
+Every item is `response.output_item.added`, then what its type streams, then
+`response.output_item.done`. Besides a message's text and parts, the SDK streams:
+a function call's arguments and a custom call's input (whole, in one delta: calls are
+parsed whole); an `mcp_call`'s arguments, `mcp_call.in_progress` while the gateway calls
+the server, and `mcp_call.completed` or `.failed`; an `mcp_list_tools`'s `in_progress`
+and `completed` or `failed`. An item the gateway works on (output.py's `ItemStarted`) is
+added when it starts and done when it ends; one emitted whole gets both at once.
 """
 
 from once.gateway.output import (
     ItemEmitted,
+    ItemStarted,
     MessageClosed,
     MessageOpened,
     OutputEvent,
@@ -18,6 +27,8 @@ from once.gateway.output import (
 from once.protocol.responses import ResponsesRequest
 
 IGNORED_TOOLS_FIELD = "once_ignored_tools"
+# Items whose status the SDK types as final only: added as they are done.
+FINAL_STATUS_ONLY = ("program_output",)
 
 
 def response_usage(usage: Usage) -> dict:
@@ -39,6 +50,7 @@ def response_usage(usage: Usage) -> dict:
 class ResponsesEncoder:
     def __init__(self, request: ResponsesRequest, response_id: str, created_at: int):
         self.sequence_number = 0
+        self._started: set[int] = set()  # output indexes of items added, not done yet
         self.response = {
             "id": response_id,
             "object": "response",
@@ -115,6 +127,10 @@ class ResponsesEncoder:
             return self._message_opened(event)
         if isinstance(event, MessageClosed):
             return self._message_closed(event)
+        if isinstance(event, ItemStarted):
+            self.response["output"].append(dict(event.item))
+            self._started.add(event.output_index)
+            return self._item_added(event.item, event.output_index)
         if isinstance(event, ItemEmitted):
             return self._function_call(event)
         if isinstance(event, ResponseFinished):
@@ -163,15 +179,15 @@ class ResponsesEncoder:
 
     def _function_call(self, event: ItemEmitted) -> list[dict]:
         item, index = event.item, event.output_index
+        if index in self._started:  # added when the gateway started on it
+            self._started.discard(index)
+            self.response["output"][index] = item
+            return self._item_done(item, index)
         self.response["output"].append(item)
         if item["type"] == "custom_tool_call":
             return self._custom_tool_call(item, index)
-        if item["type"] != "function_call":  # other calls: the item, added then done
-            added = {**item, "status": "in_progress"}
-            return [
-                self._event("response.output_item.added", output_index=index, item=added),
-                self._event("response.output_item.done", output_index=index, item=dict(item)),
-            ]
+        if item["type"] != "function_call":  # other items: added, then done
+            return self._item_added(item, index) + self._item_done(item, index)
         added = {**item, "status": "in_progress", "arguments": ""}
         # The call is parsed whole (see toolcalls.py), so its arguments arrive in one delta.
         return [
@@ -191,6 +207,39 @@ class ResponsesEncoder:
             ),
             self._event("response.output_item.done", output_index=index, item=dict(item)),
         ]
+
+    def _item_added(self, item: dict, index: int) -> list[dict]:
+        added = dict(item)
+        if "status" in added and item["type"] not in FINAL_STATUS_ONLY:
+            added["status"] = "in_progress"
+        kind, ids = item["type"], {"item_id": item["id"], "output_index": index}
+        if kind == "mcp_list_tools":
+            added["tools"] = []
+            added.pop("error", None)
+        if kind == "mcp_call":
+            for name in ("output", "error"):
+                added.pop(name, None)
+            added["arguments"] = ""
+        events = [self._event("response.output_item.added", output_index=index, item=added)]
+        if kind == "mcp_call":
+            arguments = item["arguments"]
+            events += [
+                self._event("response.mcp_call_arguments.delta", **ids, delta=arguments),
+                self._event("response.mcp_call_arguments.done", **ids, arguments=arguments),
+                self._event("response.mcp_call.in_progress", **ids),
+            ]
+        elif kind == "mcp_list_tools":
+            events.append(self._event("response.mcp_list_tools.in_progress", **ids))
+        return events
+
+    def _item_done(self, item: dict, index: int) -> list[dict]:
+        kind, ids = item["type"], {"item_id": item["id"], "output_index": index}
+        events = []
+        if kind in ("mcp_call", "mcp_list_tools"):
+            ending = "failed" if item.get("error") else "completed"
+            events.append(self._event(f"response.{kind}.{ending}", **ids))
+        events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
 
     def _custom_tool_call(self, item: dict, index: int) -> list[dict]:
         added = {**item, "status": "in_progress", "input": ""}

@@ -4,6 +4,7 @@
 the served model's tokenizer and ended with eos, as a model that stops would); the real
 gateway serves it on a free loopback port, so a harness under test speaks the real wire
 protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
+`CannedMcpServers` is the fake behind the hosted MCP tool's seam (mcp_hosted.py).
 """
 
 import asyncio
@@ -21,6 +22,7 @@ from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.conversation import ConnectionCache
 from once.gateway.hosted import HostedTools
+from once.gateway.mcp_hosted import UNREACHABLE, McpFailure
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
@@ -98,6 +100,32 @@ async def serve_gateway(
             yield url, gateway
     finally:
         await gateway.close()
+
+
+class CannedMcpServers:
+    """MCP servers without a network (mcp_hosted.py's `McpServers`): each `server_url`
+    lists the tools given for it and answers calls with `answer(name, arguments)` ->
+    (text, is_error); a URL not given cannot be reached. `calls` records what was asked."""
+
+    def __init__(self, servers: dict[str, list[dict]], answer=None):
+        self.servers = servers
+        self.answer = answer or (lambda name, arguments: (f"{name} ok", False))
+        self.calls: list[tuple[str, str, dict]] = []
+
+    def _tools(self, config: dict) -> list[dict]:
+        url = str(config.get("server_url"))
+        if url not in self.servers:
+            error = {"type": "http_error", "code": UNREACHABLE, "message": f"{url}: no server"}
+            raise McpFailure(error)
+        return self.servers[url]
+
+    async def list_tools(self, config: dict) -> list[dict]:
+        return [dict(tool) for tool in self._tools(config)]
+
+    async def call_tool(self, config: dict, name: str, arguments: dict) -> tuple[str, bool]:
+        self._tools(config)
+        self.calls.append((str(config.get("server_url")), name, arguments))
+        return self.answer(name, arguments)
 
 
 # -- the pipeline without a server: tests that look inside one response ---------------------

@@ -22,8 +22,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from once.gateway.program_tool import is_program_internal
 from once.gateway.render import NotIncrementalError, PromptRenderer, sorted_tools
-from once.gateway.tool_items import CALL_TYPES
+from once.gateway.tool_items import CALL_TYPES, HOSTED_CALL_TYPES
 from once.protocol.responses import REASONING, canonical_json
 
 # Items the prompt shows nothing of (before the first that says what a turn is).
@@ -147,8 +148,10 @@ class PromptBuilder:
 
 def _opens_with_call(items: Sequence[dict]) -> bool:
     for item in items:
-        if item["type"] in CALL_TYPES:
-            return True
+        if is_program_internal(item):
+            continue  # shows nothing (a program's own call or output)
+        if item["type"] in CALL_TYPES or item["type"] in HOSTED_CALL_TYPES:
+            return item["type"] != "mcp_call" or not item.get("approval_request_id")
         if item["type"] not in SKIPPED_ITEM_TYPES:
             return False
     return False

@@ -12,16 +12,28 @@ on the tool kind the request declared:
     tool_search, client execution  tool_search           tool_search_call (tool_search_output)
     local_shell / shell            local_shell / shell   local_shell_call / shell_call
     apply_patch                    apply_patch           apply_patch_call
+    programmatic_tool_calling      program (`input`)     program (program_output)
+    mcp (a listed server tool)     <server_label>.<name> mcp_call, or mcp_approval_request
+                                                         when the call needs approval
 
 Function names cannot hold a dot (the API allows `[A-Za-z0-9_-]`), so a dotted name is
-always a namespace's. Hosted tools (web search, file search, code interpreter, image
-generation, computer use, remote MCP, programmatic tool calling) have no backend here:
-they are left out of the prompt and reported (`hosted_tool_names`).
+always a namespace's (or an MCP server's). Programs and MCP calls are run by the gateway
+(hosted.py); the other hosted tools (web search, file search, code interpreter, image
+generation, computer use) have no backend here: they are left out of the prompt and
+reported (`hosted_tool_names`).
 """
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from once.gateway.mcp_policy import MCP_APPROVAL_REQUEST, MCP_CALL, MCP_TOOL
+from once.gateway.program_tool import (
+    PROGRAM,
+    PROGRAM_OUTPUT,
+    PROGRAM_TOOL_NAME,
+    PROGRAM_TOOL_TYPE,
+    new_fingerprint,
+)
 from once.protocol.responses import (
     ADDITIONAL_TOOLS,
     CUSTOM_TOOL_CALL,
@@ -82,11 +94,14 @@ TOOL_SEARCH_PARAMETERS = {
     "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
     "required": ["query"],
 }
-PROMPT_TOOL_TYPES = ("function", "custom", "namespace", *TYPED_CLIENT_TOOLS)
+PROMPT_TOOL_TYPES = ("function", "custom", "namespace", PROGRAM_TOOL_TYPE, *TYPED_CLIENT_TOOLS)
 CALL_TYPES = (FUNCTION_CALL, CUSTOM_TOOL_CALL, TOOL_SEARCH_CALL, *TYPED_CALL_ITEMS)
+# The calls of tools the gateway runs: shown in the assistant turn as calls too.
+HOSTED_CALL_TYPES = (PROGRAM, MCP_CALL, MCP_APPROVAL_REQUEST)
 OUTPUT_TYPES = (
     FUNCTION_CALL_OUTPUT,
     CUSTOM_TOOL_CALL_OUTPUT,
+    PROGRAM_OUTPUT,
     *(item + "_output" for item in TYPED_CALL_ITEMS),
 )
 
@@ -104,11 +119,14 @@ def reaches_prompt(tool: dict) -> bool:
     return tool.get("type", "function") in PROMPT_TOOL_TYPES or is_tool_search(tool)
 
 
-def hosted_tool_names(tools: Iterable[dict]) -> list[str]:
+def hosted_tool_names(tools: Iterable[dict], served: Iterable[str] = ()) -> list[str]:
+    """The tools that neither reach the prompt nor have a hosted tool to serve them here
+    (`served`: the tool types the gateway's hosted tools run)."""
+    served = set(served)
     return [
         str(t.get("name") or t.get("server_label") or t["type"])
         for t in tools
-        if not reaches_prompt(t)
+        if not reaches_prompt(t) and t.get("type") not in served
     ]
 
 
@@ -122,6 +140,8 @@ def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str
     for tool in listed:
         kinds.add(_kind(tool))
         kinds.update(_kind(nested) for nested in tool.get("tools") or ())  # a namespace's
+        if tool.get("type") == MCP_TOOL:
+            kinds.add(f"{MCP_TOOL}:{tool.get('server_label')}")
     return kinds
 
 
@@ -137,9 +157,24 @@ def _kind(tool: dict) -> str:
 # -- model calls -> items ----------------------------------------------------------------
 
 
-def call_item(name: str, arguments: str, text_input: str | None, declared: set[str]) -> dict:
-    """The output item of one parsed call (ids and status are the builder's)."""
+def call_item(
+    name: str,
+    arguments: str,
+    text_input: str | None,
+    declared: set[str],
+    needs_approval: Callable[[str, str], bool] = lambda server_label, name: False,
+) -> dict:
+    """The output item of one parsed call (ids and status are the builder's);
+    `needs_approval(server_label, tool name)` decides an MCP call's item."""
     namespace, _, short = name.rpartition(NAMESPACE_SEPARATOR)
+    if name == PROGRAM_TOOL_NAME and PROGRAM_TOOL_TYPE in declared:
+        code = text_input if text_input is not None else str(_object(arguments).get("code", ""))
+        return {"type": PROGRAM, "code": code, "fingerprint": new_fingerprint(code)}
+    if namespace and f"{MCP_TOOL}:{namespace}" in declared:
+        if text_input is not None:
+            arguments = json.dumps({"input": text_input}, ensure_ascii=False)
+        kind = MCP_APPROVAL_REQUEST if needs_approval(namespace, short) else MCP_CALL
+        return {"type": kind, "server_label": namespace, "name": short, "arguments": arguments}
     if text_input is not None and "custom" in declared:
         item = {"type": CUSTOM_TOOL_CALL, "name": short, "input": text_input}
         return {**item, "namespace": namespace} if namespace else item
@@ -181,6 +216,14 @@ def call_parts(item: dict) -> tuple[str, str, object]:
     name = item.get("name", "")
     if item.get("namespace"):
         name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
+    if kind == PROGRAM:
+        return PROGRAM_TOOL_NAME, "input", item.get("code", "")
+    if kind in (MCP_CALL, MCP_APPROVAL_REQUEST):
+        return (
+            f"{item.get('server_label')}{NAMESPACE_SEPARATOR}{name}",
+            "arguments",
+            (item.get("arguments") or "{}"),
+        )
     if kind == CUSTOM_TOOL_CALL:
         return name, "input", item.get("input", "")
     if kind == TOOL_SEARCH_CALL:
@@ -205,6 +248,8 @@ def output_item_text(item: dict) -> str:
         )
     if item["type"] == "apply_patch_call_output":
         return item.get("output") or item.get("status", "")
+    if item["type"] == PROGRAM_OUTPUT:
+        return str(item.get("result") or "")
     return output_text(item)
 
 

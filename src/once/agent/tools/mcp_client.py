@@ -3,7 +3,8 @@
 `McpConnections` connects to several servers at once (stdio subprocesses and streamable
 HTTP endpoints), lists each server's tools (following pagination) into `ToolSpec`s whose
 namespace is the server's configured name, and wraps each as an `McpTool` whose call is a
-`tools/call` on its server. Results: text content joined; other content named by type;
+`tools/call` on its server. Results (once/mcp_results.py, shared with the gateway's
+hosted MCP calls): text content joined; other content named by type;
 `isError` becomes `ToolResult(is_error=True)`; a transport failure or a timeout is an
 error result too, never an exception the loop must handle.
 
@@ -21,10 +22,9 @@ from dataclasses import dataclass, field
 
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
-from mcp.types import CallToolResult
 
 from once.agent.tools.base import ToolContext, ToolResult, ToolSpec
-from once.protocol.responses import canonical_json
+from once.mcp_results import result_text
 
 DEFAULT_CONNECT_TIMEOUT_S = 30.0
 DEFAULT_CALL_TIMEOUT_S = 120.0
@@ -154,21 +154,6 @@ class McpConnection:
         self._closing.set()
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
-
-
-def result_text(result: CallToolResult) -> str:
-    """A `CallToolResult` as one string: text parts joined, other parts named."""
-    parts = []
-    for item in result.content or ():
-        text = getattr(item, "text", None)
-        if isinstance(text, str):
-            parts.append(text)
-        else:
-            mime = getattr(item, "mime_type", None)
-            parts.append(f"[{item.type}{': ' + mime if mime else ''}]")
-    if not parts and result.structured_content is not None:
-        parts.append(canonical_json(result.structured_content))
-    return "\n".join(parts)
 
 
 class McpConnections:
