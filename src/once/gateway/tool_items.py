@@ -2,11 +2,12 @@
 
 Every tool the model can call is written in the prompt as one JSON definition
 (render.py) and called in one way, a `<tool_call>` block holding `{"name", "arguments"}`,
-or `{"name", "input"}` for a free-form (`custom`) tool. The item a call becomes depends
-on the tool kind the request declared:
+or `{"name"}` and the raw input for a free-form (`custom`) tool (toolcalls.py). The item
+a call becomes depends on the tool kind the request declared:
 
     declared tool                  the model calls       item (its output: <item>_output)
-    function                       its name              function_call
+    function                       its name              function_call (`namespace`: its
+                                                         own name when defer_loading)
     a function in a namespace      <namespace>.<name>    function_call with `namespace`
     custom (also in a namespace)   its (dotted) name     custom_tool_call, `input` text
     tool_search, client execution  tool_search           tool_search_call (tool_search_output)
@@ -142,7 +143,14 @@ def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str
         kinds.update(_kind(nested) for nested in tool.get("tools") or ())  # a namespace's
         if tool.get("type") == MCP_TOOL:
             kinds.add(f"{MCP_TOOL}:{tool.get('server_label')}")
+        if tool.get("type", "function") == "function" and tool.get("defer_loading"):
+            kinds.add(f"{DEFERRED}:{tool.get('name')}")
     return kinds
+
+
+# The API's wire shape for a call of a deferred top-level function (one a tool search
+# loads): `namespace` is the function's own name, as the openai-agents SDK expects.
+DEFERRED = "deferred"
 
 
 SERVER_TOOL_SEARCH = "tool_search:server"
@@ -195,6 +203,8 @@ def call_item(
             if name == "local_shell":
                 value = {"type": "exec", "env": {}, **value}
             return {"type": item_type, field: value}
+    if not namespace and f"{DEFERRED}:{name}" in declared:
+        namespace = name
     item = {"type": FUNCTION_CALL, "name": short, "arguments": arguments}
     return {**item, "namespace": namespace} if namespace else item
 
@@ -214,7 +224,7 @@ def call_parts(item: dict) -> tuple[str, str, object]:
     """A call item as the model wrote it: (name, "arguments" or "input", the value)."""
     kind = item["type"]
     name = item.get("name", "")
-    if item.get("namespace"):
+    if item.get("namespace") and item["namespace"] != name:  # equal: a deferred tool's
         name = f"{item['namespace']}{NAMESPACE_SEPARATOR}{name}"
     if kind == PROGRAM:
         return PROGRAM_TOOL_NAME, "input", item.get("code", "")

@@ -11,7 +11,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_clients.json"
 
 
-async def run_clients(names: list[str], structured: bool) -> dict:
+async def run_clients(names: list[str], structured: bool, tool_search: bool = True) -> dict:
     from once.bench.clients.registry import CASES_BY_NAME, run_case
     from once.gateway.testing import load_runtime
 
@@ -27,6 +27,11 @@ async def run_clients(names: list[str], structured: bool) -> dict:
 
         print("structured outputs on SmolLM2 ...", file=sys.stderr, flush=True)
         report.update(await structured_outputs.run())
+    if tool_search:
+        from once.bench.clients import api_tool_search
+
+        print("server-side tool search on LiveMCPBench ...", file=sys.stderr, flush=True)
+        report.update(await api_tool_search.run(runtime))
     return report
 
 
@@ -39,10 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-structured", action="store_true", help="skip the structured outputs on SmolLM2"
     )
+    parser.add_argument(
+        "--no-tool-search", action="store_true", help="skip the API's tool search on LiveMCPBench"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     names = args.clients or list(CASES_BY_NAME)
-    report = asyncio.run(run_clients(names, structured=not args.no_structured))
+    report = asyncio.run(
+        run_clients(names, structured=not args.no_structured, tool_search=not args.no_tool_search)
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
@@ -61,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"structured outputs on SmolLM2: {report['structured_json_valid']}/"
                 f"{report['structured_json_responses']} json_schema responses and "
                 f"{report['structured_forced_calls_valid']}/{report['structured_forced_calls']}"
-                f" forced strict calls valid ({report['structured_wall_s']} s)"
+                f" forced strict calls and {report['structured_grammar_calls_valid']}/"
+                f"{report['structured_grammar_calls']} Lark-grammar custom calls valid "
+                f"({report['structured_wall_s']} s)"
+            )
+        if "api_tool_search_recall_at_5" in report:
+            print(
+                f"server-side tool search recall@5: {report['api_tool_search_recall_at_5']} "
+                f"(held-out {report['api_tool_search_recall_at_5_heldout']}); the harness's "
+                f"ranker {report['harness_tool_search_recall_at_5']}"
             )
     return 0 if not report["clients_failed"] else 1

@@ -141,6 +141,95 @@ async def openai_agents(base_url: str, workspace: Path, model: str) -> str:
     return str(result.final_output)
 
 
+async def openai_agents_tool_search(base_url: str, workspace: Path, model: str) -> str:
+    """openai-agents with the hosted tool search: its function tool deferred, found by the
+    gateway's search inside the response, then called."""
+    from agents import ToolSearchTool, function_tool
+
+    @function_tool(defer_loading=True)
+    def list_workspace() -> str:
+        """List the files of the workspace."""
+        return list_files(workspace)
+
+    return await _run_agent(base_url, model, [ToolSearchTool(), list_workspace])
+
+
+async def openai_agents_programs(base_url: str, workspace: Path, model: str) -> str:
+    """openai-agents with programmatic tool calling: the model's program calls the agent's
+    function, which the SDK runs (the response ends on the program's call), and the
+    program resumes with its output."""
+    from agents import ProgrammaticToolCallingTool, function_tool
+
+    @function_tool(allowed_callers=["programmatic"])
+    def list_workspace() -> str:
+        """List the files of the workspace."""
+        return list_files(workspace)
+
+    return await _run_agent(base_url, model, [ProgrammaticToolCallingTool(), list_workspace])
+
+
+async def _run_agent(base_url: str, model: str, tools: list) -> str:
+    import openai
+    from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY)
+    agent = Agent(
+        name="lister",
+        instructions="Answer with the tools you have.",
+        tools=tools,
+        model=OpenAIResponsesModel(model=model, openai_client=client),
+    )
+    try:
+        result = await Runner.run(agent, "Which files are here?", max_turns=4)
+    finally:
+        await client.close()
+    return str(result.final_output)
+
+
+async def openai_structured(base_url: str, workspace: Path, model: str) -> str:
+    """The `openai` SDK's structured-output helpers: `responses.parse` with a pydantic
+    function tool (its arguments parsed into the model) and a pydantic `text_format` for
+    the final answer."""
+    import openai
+    from openai.lib._tools import pydantic_responses_function_tool
+    from pydantic import BaseModel
+
+    class ListFiles(BaseModel):
+        """List the files of the workspace."""
+
+        folder: str
+
+    class Listing(BaseModel):
+        files: list[str]
+
+    tool = pydantic_responses_function_tool(ListFiles, name="list_files")
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY) as client:
+        items: list = [{"role": "user", "content": "Which files are here? Answer as JSON."}]
+        for _ in range(3):
+            response = await client.responses.parse(
+                model=model, input=items, tools=[tool], text_format=Listing, store=False
+            )
+            calls = [item for item in response.output if item.type == "function_call"]
+            if not calls:
+                listing = response.output_parsed
+                if not isinstance(listing, Listing):
+                    raise RuntimeError(f"no parsed answer: {response.output_text!r}")
+                return ", ".join(listing.files)
+            if not all(isinstance(call.parsed_arguments, ListFiles) for call in calls):
+                raise RuntimeError("the call's arguments did not parse into ListFiles")
+            items += [item.model_dump(exclude_none=True) for item in response.output]
+            items += [
+                {
+                    "type": "function_call_output",
+                    "call_id": c.call_id,
+                    "output": list_files(workspace),
+                }
+                for c in calls
+            ]
+    raise RuntimeError("no final answer in 3 turns")
+
+
 def _mini_swe_agent(base_url: str, workspace: Path, model: str) -> str:
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.config import get_config_from_spec

@@ -6,6 +6,7 @@ in a later prompt), finished (its exit status, or its final answer), and once an
 none of its requests with an error.
 """
 
+import json
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,8 @@ class ClientCase:
     streams: bool = True
     aliases: tuple[str, ...] = ()
     result_mark: str = TOOL_RESULT_MARK
+    # Replies between the first and the last: (what the prompt holds, what the model says).
+    steps: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -122,6 +125,17 @@ CASES = [
                _python(python_clients.anthropic_messages)),
     ClientCase("openai-agents", tool_call_block("list_workspace", arguments={}), "hello.txt",
                _python(python_clients.openai_agents), streams=False),
+    ClientCase("openai-agents-tool-search",
+               tool_call_block("tool_search", arguments={"query": "list the workspace files"}),
+               "hello.txt", _python(python_clients.openai_agents_tool_search), streams=False,
+               steps=(('"name":"list_workspace"', tool_call_block("list_workspace",
+                                                                  arguments={})),)),
+    ClientCase("openai-agents-programs",
+               tool_call_block("program", input="text(await tools.list_workspace({}));"),
+               "hello.txt", _python(python_clients.openai_agents_programs), streams=False),
+    ClientCase("openai-structured", tool_call_block("list_files", arguments={"folder": "."}),
+               "hello.txt", _python(python_clients.openai_structured),
+               final_text=json.dumps({"files": ["README.md", "hello.txt"]}), streams=False),
     ClientCase("mini-swe-agent", tool_call_block("bash", arguments={"command": "ls"}), "hello.txt",
                _python(python_clients.mini_swe_agent),
                final_text=tool_call_block(
@@ -142,7 +156,7 @@ async def run_case(case: ClientCase, runtime: ModelRuntime) -> ClientResult:
     with tempfile.TemporaryDirectory(prefix=f"once-{case.name}-") as folder:
         workspace = python_clients.git_workspace(Path(folder) / "repo")
         async with client_gateway(
-            runtime, case.call_text, case.final_text, case.aliases, case.result_mark
+            runtime, case.call_text, case.final_text, case.aliases, case.result_mark, case.steps
         ) as gw:
             try:
                 await case.run(gw.url, workspace)

@@ -11,7 +11,7 @@ afterwards what reached the gateway: requests by outcome, whether a tool result 
 """
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 
 from once.engine.scripted import ScriptedEngine
@@ -35,16 +35,22 @@ def tool_call_block(name: str, **payload) -> str:
 
 
 def round_trip_engine(
-    runtime: ModelRuntime, call_text: str, final_text: str, result_mark: str = TOOL_RESULT_MARK
+    runtime: ModelRuntime,
+    call_text: str,
+    final_text: str,
+    result_mark: str = TOOL_RESULT_MARK,
+    steps: Sequence[tuple[str, str]] = (),
 ) -> ScriptedEngine:
+    """The model of a round trip: the final text once a tool's result is in the prompt,
+    else the reply of the last step whose mark the prompt holds, else the first call."""
     eos = runtime.tokenizer.eos_token_id
-    call_ids = runtime.builder.encode(call_text) + [eos]
-    final_ids = runtime.builder.encode(final_text) + [eos]
+    script = [("", call_text), *steps, (result_mark, final_text)]
+    ids = [(mark, runtime.builder.encode(text) + [eos]) for mark, text in script]
     decode = runtime.tokenizer.backend_tokenizer.decode
 
     def reply(request) -> list[int]:
         prompt = decode(list(request.prompt_token_ids), skip_special_tokens=False)
-        return final_ids if result_mark in prompt else call_ids
+        return next(reply_ids for mark, reply_ids in reversed(ids) if mark in prompt)
 
     return ScriptedEngine(reply, eos_token_id=eos, max_model_len=MAX_MODEL_LEN)
 
@@ -85,9 +91,10 @@ async def client_gateway(
     final_text: str,
     aliases: tuple[str, ...] = (),
     result_mark: str = TOOL_RESULT_MARK,
+    steps: Sequence[tuple[str, str]] = (),
 ) -> AsyncIterator[ClientGateway]:
     runtime = replace(runtime, max_model_len=MAX_MODEL_LEN)
-    engine = round_trip_engine(runtime, call_text, final_text, result_mark)
+    engine = round_trip_engine(runtime, call_text, final_text, result_mark, steps)
     table = {**default_table(runtime.name), **{name: runtime.name for name in aliases}}
     config = GatewayConfig(store="memory", verify_every=1, aliases=table)
     async with serve_gateway(runtime, engine, config) as (url, gateway):
