@@ -49,6 +49,7 @@ async def test_speculating_stack_reports_its_drafts_and_each_layers_cpu(served):
 _THREADS_PROBE = """
 import threading, time
 from once.bench.replay.cpu import engine_threads_cpu_s
+from once.engine.os_threads import ENGINE_THREAD_NAME, name_os_thread
 
 def spin(seconds):
     end = time.thread_time() + seconds
@@ -56,6 +57,7 @@ def spin(seconds):
         pass
 
 def engine_loop(done, stop):
+    name_os_thread(ENGINE_THREAD_NAME)  # as the engine's step loop does
     spin(0.3)
     done.set()
     stop.wait()  # alive while measured, as the engine's thread is
@@ -67,7 +69,7 @@ other.start()
 other.join()
 not_engine = engine_threads_cpu_s() - before
 done, stop = threading.Event(), threading.Event()
-engine = threading.Thread(target=engine_loop, args=(done, stop), name="once-engine")
+engine = threading.Thread(target=engine_loop, args=(done, stop))  # Python's name: irrelevant
 engine.start()
 done.wait()
 print(not_engine, engine_threads_cpu_s() - before)

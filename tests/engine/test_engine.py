@@ -12,7 +12,6 @@ from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
-    RequestTooLargeForCacheError,
 )
 
 
@@ -114,6 +113,13 @@ def test_abort_frees_blocks_mid_flight(engine):
     assert_all_blocks_free(engine)
 
 
+def test_the_context_is_what_the_cache_holds_so_any_admitted_request_can_run(engine):
+    assert engine.max_model_len == engine.pool.num_blocks * engine.config.block_size == 256
+    out = engine.generate([req("long", range(3, 200), ignore_eos=True, max_tokens=400)])
+    assert len(tokens_of(out["long"])) == 256 - 197  # to the end of the context: "length"
+    assert_all_blocks_free(engine)
+
+
 def test_more_requests_than_the_cache_holds_wait_their_turn(tiny_model_dir):
     engine = LLMEngine(
         EngineConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=12, max_num_seqs=8)
@@ -131,7 +137,8 @@ def test_more_requests_than_the_cache_holds_wait_their_turn(tiny_model_dir):
     [
         (lambda: req("long", range(3, 600)), ContextLengthExceededError),
         (lambda: req("vocab", [5, 999]), InvalidRequestError),
-        (lambda: req("huge", range(3, 100), max_tokens=400), RequestTooLargeForCacheError),
+        # Past the cache (256 tokens) though within the model's 512 positions.
+        (lambda: req("past-cache", range(3, 300)), ContextLengthExceededError),
         (
             lambda: GenerateRequest("f", (3,), forced_output_ids=(1, 5000)),
             InvalidRequestError,

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
+from once.engine.os_threads import ENGINE_THREAD_NAME, name_os_thread
 from once.protocol.engine import GenerateRequest, TokenDelta
 from once.protocol.errors import EngineDeadError, OnceError
 
@@ -40,7 +41,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="once-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
 
     @classmethod
@@ -105,6 +106,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
     def _run(self) -> None:
+        name_os_thread(ENGINE_THREAD_NAME)
         try:
             while not self._stopped:
                 with self._lock:

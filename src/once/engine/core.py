@@ -7,6 +7,7 @@ the deltas it returns. Everything above it is asyncio; `AsyncEngine` (async_engi
 runs this loop on a thread.
 """
 
+import logging
 import time
 
 import torch
@@ -39,8 +40,9 @@ from once.protocol.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     OnceError,
-    RequestTooLargeForCacheError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -81,6 +83,17 @@ class LLMEngine:
                 dtype,
             )
         )
+        if num_blocks * block_size < self.max_model_len:
+            # One request must fit the cache (vLLM refuses to start otherwise): the context
+            # is what the cache holds, so a request the gateway admits can always run.
+            logger.warning(
+                "the KV cache holds %d tokens, less than the context of %d: the context is "
+                "cut to %d (raise kv_cache_gib for more)",
+                num_blocks * block_size,
+                self.max_model_len,
+                num_blocks * block_size,
+            )
+            self.max_model_len = num_blocks * block_size
         self.kv_cache = PagedKVCache(
             model_config.num_layers,
             num_blocks,
@@ -161,14 +174,6 @@ class LLMEngine:
         constraint = request.sampling.constraint
         if constraint is not None and forced is None:
             self.grammars.compile(constraint)  # cached: admission takes a copy
-        max_out = request.sampling.max_tokens if forced is None else len(forced)
-        max_total = min(num_prompt + max_out, self.max_model_len)
-        num_blocks_needed = -(-max_total // self.config.block_size)
-        if num_blocks_needed > self.pool.num_blocks:
-            raise RequestTooLargeForCacheError(
-                f"request needs up to {num_blocks_needed} KV blocks but the cache has "
-                f"{self.pool.num_blocks}; lower max_tokens or raise the KV cache size"
-            )
 
     def add_request(self, request: GenerateRequest) -> None:
         self.validate(request)

@@ -48,11 +48,6 @@ class ContextLengthExceededError(InvalidRequestError):
     code = "context_length_exceeded"
 
 
-class RequestTooLargeForCacheError(InvalidRequestError):
-    # The request could never fit in the KV cache, even alone: waiting would hang forever.
-    code = "kv_cache_too_small"
-
-
 class ModelNotFoundError(OnceError):
     code = "model_not_found"
     status = 404
@@ -142,7 +137,6 @@ ERRORS_BY_CODE = {
         RouteNotFoundError,
         MethodNotAllowedError,
         ContextLengthExceededError,
-        RequestTooLargeForCacheError,
         ModelNotFoundError,
         ModelLoadError,
         UnsupportedModelError,

@@ -5,12 +5,10 @@ one replica) the engine in the same process, so process CPU alone cannot say who
 Each layer is read from where its CPU is actually spent:
 
 - engine: with an in-process engine, the threads of this process that belong to it: its
-  step loop (the Python thread "once-engine") and the native threads no Python code
-  started, i.e. torch's OpenMP workers, read from /proc/self/task/*/stat by thread id
-  (the gateway's worker threads are Python threads, so they are not counted); with
-  replica processes, their whole CPU, from /proc/<pid>/stat. A thread that has exited
-  no longer shows in /proc: its CPU falls to the harness (the engine's live as long as
-  the stack).
+  step loop and the OpenMP workers it started, all named "once-engine" for the kernel
+  (engine/os_threads.py), read from /proc/self/task/*/stat; with replica processes,
+  their whole CPU, from /proc/<pid>/stat. A thread that has exited no longer shows in
+  /proc: its CPU falls to the harness (the engine's live as long as the stack).
 - gateway: the gateway's own CPU meter (`once_gateway_cpu_seconds_total{stage="request"}`),
   which times every request's work on the event loop and in its worker threads.
 - harness: the rest of this process: its CPU minus the engine threads and the gateway.
@@ -22,12 +20,12 @@ Linux only (/proc); elsewhere every figure is 0 and `available` is False.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ENGINE_THREAD_NAME = "once-engine"
+from once.engine.os_threads import ENGINE_THREAD_NAME, os_thread_name
+
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
 
 
@@ -57,13 +55,10 @@ def engine_threads_cpu_s() -> float:
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return 0.0
-    python_threads = {t.native_id: t.name for t in threading.enumerate()}
     total = 0.0
     for task in tasks.iterdir():
-        tid = int(task.name)
-        name = python_threads.get(tid)
-        if name is not None and name != ENGINE_THREAD_NAME:
-            continue  # main thread (harness and gateway) and the gateway's worker threads
+        if os_thread_name(task) != ENGINE_THREAD_NAME:
+            continue  # the main thread (harness and gateway), the gateway's workers
         read = _stat_cpu_s(task / "stat")
         if read is not None:
             total += read[1]
