@@ -7,9 +7,11 @@ mode) around a scripted engine and reads the gateway's Prometheus metrics.
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
+from once.gateway.config import GatewayConfig
 from once.gateway.output import (
     ItemEmitted,
     MessageClosed,
@@ -120,3 +122,17 @@ def test_output_events_come_in_order_with_copies_of_the_items():
     output.items[0]["content"][0]["text"] = "changed later"
     assert closed.item["content"][0]["text"] == "Let me look."  # the event kept its copy
     assert events[-1].usage.total_tokens == 13
+
+
+async def test_a_request_without_an_output_budget_gets_the_servers_default(runtime):
+    engine = scripted_texts(runtime, ["ok"] * 3)
+    config = GatewayConfig(store="memory", default_max_output_tokens=40)
+    async with serve_gateway(runtime, engine, config) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            for budget in (None, 7, 400):
+                body = {"model": MODEL, "input": "hi"}
+                if budget is not None:
+                    body["max_output_tokens"] = budget
+                assert (await http.post("/v1/responses", json=body)).status_code == 200
+    asked = [request.sampling.max_tokens for request in engine.requests]
+    assert asked == [40, 7, 400]  # the default only where the client set none

@@ -135,4 +135,5 @@ def create_gateway(
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
         hosted=default_hosted_tools() if hosted is None else hosted,
+        default_max_output_tokens=config.default_max_output_tokens,
     )

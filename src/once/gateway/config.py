@@ -16,6 +16,8 @@ class GatewayConfig:
     engine_url: str | None = None  # remote `once engine` replicas; None: embedded engine
     max_model_len: int | None = None  # None: the engine's (embedded) or the model's config
     max_body_bytes: int = 32 * 1024 * 1024
+    # The output budget of a request that sets none; 0: up to the context, as the APIs do.
+    default_max_output_tokens: int = 0
     api_keys_file: str | None = None  # None: no auth, every caller is tenant "default"
     rate_limit_storage: str = "memory://"  # or redis://host:port
     store: str = DEFAULT_STORE  # sqlite:///path.db | memory | redis://host:port/db

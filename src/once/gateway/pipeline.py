@@ -100,8 +100,10 @@ class ResponsePipeline:
         aliases: ModelAliases | None = None,
         prefix_states: PrefixStates | None = None,
         hosted: HostedTools | None = None,
+        default_max_output_tokens: int = 0,
     ):
         self.engine = engine
+        self.default_max_output_tokens = default_max_output_tokens
         self.models = models
         self.aliases = ModelAliases(models) if aliases is None else aliases
         self.hosted = hosted or HostedTools()
@@ -306,11 +308,12 @@ class ResponsePipeline:
     def sampling(self, prepared: Prepared, built: BuiltPrompt | None = None) -> SamplingParams:
         request, model = prepared.request, prepared.model
         room = model.max_model_len - len((built or prepared.built).prompt_ids)
+        asked = request.max_output_tokens or self.default_max_output_tokens
         return SamplingParams(
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             top_k=request.top_k or 0,
-            max_tokens=min(request.max_output_tokens or room, room),
+            max_tokens=min(asked or room, room),
             stop_token_ids=tuple(sorted(model.builder.eos_ids)),
             seed=request.seed,
             logprobs=request.logprobs,

@@ -5,7 +5,9 @@ map to SmolLM2) and one MCP server (`mcp-server-time`) runs one task against the
 in front of the in-process engine, sampling: no scripted replies. Codex's first prompt is
 about 14k tokens (its instructions and tool list), past SmolLM2's 8,192 trained
 positions, so the engine runs with a 32k window (RoPE past its training length: the
-model's answers are poor there, which is not what this measures). The figure is what
+model's answers are poor there, which is not what this measures), and replies that set
+no budget (Codex sets none) are capped at 256 tokens by the gateway's
+`default_max_output_tokens`. The figure is what
 the gateway answered: every response by outcome, and none may be an error; plus Codex's
 exit status and its first error line, verbatim.
 """
@@ -25,6 +27,7 @@ from once.gateway.testing import serve_gateway
 from once.model_files import DEFAULT_MODEL
 
 MAX_MODEL_LEN = 32768
+DEFAULT_MAX_OUTPUT_TOKENS = 256
 PROMPT = "What time is it in UTC? Use the time tool."
 
 
@@ -49,7 +52,13 @@ async def run(runtime: ModelRuntime, timeout_s: float = 900) -> dict:
         )
     )
     runtime = replace(runtime, max_model_len=MAX_MODEL_LEN)
-    config = GatewayConfig(store="memory", aliases=default_table(runtime.name))
+    # Codex sets no output budget; past its trained positions the model rarely ends a
+    # reply, so the server caps replies that set none (an operator's setting).
+    config = GatewayConfig(
+        store="memory",
+        aliases=default_table(runtime.name),
+        default_max_output_tokens=DEFAULT_MAX_OUTPUT_TOKENS,
+    )
     mcp = [str(Path(sys.executable).parent / "mcp-server-time"), "--local-timezone", "UTC"]
     try:
         with tempfile.TemporaryDirectory(prefix="once-codex-real-") as folder:
