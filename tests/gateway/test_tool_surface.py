@@ -5,7 +5,6 @@ tool_items.py); each must come back as its own item type, validated with the SDK
 `Response` model, and go back into the next prompt exactly as a full render writes it.
 """
 
-
 import httpx
 import openai
 from openai.types.responses import Response
