@@ -19,8 +19,9 @@ IGNORED_TOOLS_HEADER = "once-ignored-tools"
 
 
 MAX_JSON_DEPTH = 100  # arrays and objects inside each other; tool schemas nest ~10 deep
-# An escaped UTF-16 surrogate (after an even run of backslashes, so a real escape).
-_SURROGATE_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
+# A candidate `\uD800`-`\uDFFF` escape; whether its backslash is itself escaped is decided
+# by counting the backslashes before it, so the scan is one pass of a plain pattern.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
 
 
 def error_response(error: OnceError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -66,9 +67,13 @@ def decode_json(body: bytes | str, what: str = "body") -> object:
 
 def _check_surrogates(text: str, what: str) -> None:
     """A lone UTF-16 surrogate escape decodes to a string no encoder takes: refuse it."""
+    if "\\ud" not in text and "\\uD" not in text:
+        return
     pending_high = -1  # end offset of a high surrogate escape waiting for its low half
     for match in _SURROGATE_ESCAPE.finditer(text):
-        escape_start = match.end() - 6
+        escape_start = match.start()
+        if _backslashes_before(text, escape_start) % 2:
+            continue  # `\\u...`: an escaped backslash, then plain text
         is_high = match.group(1) in "89abAB"
         if not is_high and pending_high == escape_start:
             pending_high = -1
@@ -78,6 +83,13 @@ def _check_surrogates(text: str, what: str) -> None:
         pending_high = match.end()
     if pending_high != -1:
         raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
+
+
+def _backslashes_before(text: str, end: int) -> int:
+    start = end
+    while start > 0 and text[start - 1] == "\\":
+        start -= 1
+    return end - start
 
 
 def _too_deep(value: object) -> bool:
