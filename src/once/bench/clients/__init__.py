@@ -11,7 +11,9 @@ _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_clients.json"
 
 
-async def run_clients(names: list[str], structured: bool, tool_search: bool = True) -> dict:
+async def run_clients(
+    names: list[str], structured: bool, tool_search: bool = True, real_codex: bool = False
+) -> dict:
     from once.bench.clients.registry import CASES_BY_NAME, run_case
     from once.gateway.testing import load_runtime
 
@@ -32,6 +34,11 @@ async def run_clients(names: list[str], structured: bool, tool_search: bool = Tr
 
         print("server-side tool search on LiveMCPBench ...", file=sys.stderr, flush=True)
         report.update(await api_tool_search.run(runtime))
+    if real_codex:
+        from once.bench.clients import codex_real
+
+        print("codex exec on SmolLM2 (sampled, ~5-10 min) ...", file=sys.stderr, flush=True)
+        report.update(await codex_real.run(runtime))
     return report
 
 
@@ -47,11 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-tool-search", action="store_true", help="skip the API's tool search on LiveMCPBench"
     )
+    parser.add_argument(
+        "--real-codex", action="store_true", help="also a whole `codex exec` on SmolLM2, sampled"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     names = args.clients or list(CASES_BY_NAME)
     report = asyncio.run(
-        run_clients(names, structured=not args.no_structured, tool_search=not args.no_tool_search)
+        run_clients(
+            names,
+            structured=not args.no_structured,
+            tool_search=not args.no_tool_search,
+            real_codex=args.real_codex,
+        )
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -80,5 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"server-side tool search recall@5: {report['api_tool_search_recall_at_5']} "
                 f"(held-out {report['api_tool_search_recall_at_5_heldout']}); the harness's "
                 f"ranker {report['harness_tool_search_recall_at_5']}"
+            )
+        if "codex_exec_real_model" in report:
+            real = report["codex_exec_real_model"]
+            print(
+                f"codex exec on SmolLM2: ok={report['codex_exec_real_model_ok']} "
+                f"exit={real['returncode']} responses={real['responses_by_outcome']} "
+                f"first error: {real['first_error']}"
             )
     return 0 if not report["clients_failed"] else 1

@@ -30,6 +30,15 @@ LIST_FILES_TOOL: Any = {
 }
 
 
+def replayed_with_outputs(response, calls, workspace: Path) -> list[dict]:
+    """The response's output items sent back, then one listing of the workspace per call."""
+    outputs = [
+        {"type": "function_call_output", "call_id": call.call_id, "output": list_files(workspace)}
+        for call in calls
+    ]
+    return [item.model_dump(exclude_none=True) for item in response.output] + outputs
+
+
 async def openai_responses(base_url: str, workspace: Path, model: str) -> str:
     """The Responses API with a function tool, streamed, output items fed back as input."""
     import openai
@@ -44,15 +53,7 @@ async def openai_responses(base_url: str, workspace: Path, model: str) -> str:
             calls = [item for item in response.output if item.type == "function_call"]
             if not calls:
                 return response.output_text
-            items += [item.model_dump(exclude_none=True) for item in response.output]
-            items += [
-                {
-                    "type": "function_call_output",
-                    "call_id": c.call_id,
-                    "output": list_files(workspace),
-                }
-                for c in calls
-            ]
+            items += replayed_with_outputs(response, calls, workspace)
     raise RuntimeError("no final answer in 3 turns")
 
 
@@ -218,15 +219,7 @@ async def openai_structured(base_url: str, workspace: Path, model: str) -> str:
                 return ", ".join(listing.files)
             if not all(isinstance(call.parsed_arguments, ListFiles) for call in calls):
                 raise RuntimeError("the call's arguments did not parse into ListFiles")
-            items += [item.model_dump(exclude_none=True) for item in response.output]
-            items += [
-                {
-                    "type": "function_call_output",
-                    "call_id": c.call_id,
-                    "output": list_files(workspace),
-                }
-                for c in calls
-            ]
+            items += replayed_with_outputs(response, calls, workspace)
     raise RuntimeError("no final answer in 3 turns")
 
 
