@@ -156,17 +156,30 @@ class Sandbox:
 
     @contextlib.asynccontextmanager
     async def confined(
-        self, argv: list[str], workspace: str | Path, *, workdir: str | Path | None = None
+        self,
+        argv: list[str],
+        workspace: str | Path,
+        *,
+        workdir: str | Path | None = None,
+        sandboxed: bool = True,
     ) -> AsyncIterator[Launch]:
         """`wrap` with this call's resources: the seccomp filter's descriptor and a cgroup,
-        entered before the command runs; at the end whatever is left in it is killed."""
+        entered before the command runs; at the end whatever is left in it is killed.
+        `sandboxed=False` (a run the user approved outside the sandbox) keeps the cgroup
+        only: the command's processes are still bounded and still end with the call."""
         if not self.enforced:
             yield Launch(list(argv))
             return
-        fd = filter_fd(self.socket_filter) if self.socket_filter is not None else None
+        fd = None
+        if sandboxed and self.socket_filter is not None:
+            fd = filter_fd(self.socket_filter)
         cell: LimitCell | None = None
         try:
-            wrapped = self.wrap(argv, workspace, workdir=workdir, seccomp_fd=fd)
+            wrapped = (
+                self.wrap(argv, workspace, workdir=workdir, seccomp_fd=fd)
+                if sandboxed
+                else list(argv)
+            )
             if self.cgroups is not None:
                 cell = self.cgroups.cell()
                 wrapped = cell.launcher(wrapped)

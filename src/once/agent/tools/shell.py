@@ -222,23 +222,34 @@ class ShellTool:
         sandbox: Sandbox = ctx.sandbox if ctx.sandbox is not None else default_sandbox()
         sandboxed = sandbox.enforced and (decision is None or decision.sandboxed)
 
-        if sandboxed:
-            try:
-                async with sandbox.confined(argv, workspace, workdir=workdir) as launch:
-                    run = await self._run(launch.argv, workdir, timeout_s, launch.pass_fds)
-            except OSError as e:  # the call's cgroup or filter could not be made
-                return ToolResult(f"the sandbox could not be set up for this call: {e}", True)
-        else:
-            run = await self._run(argv, workdir, timeout_s)
-        notes = []
-        if sandboxed and await self._retry_approved(args, ctx, run):
-            notes.append(
-                f"The sandboxed run failed with exit code {run.exit_code}; "
-                "rerun outside the sandbox with the user's approval."
-            )
-            run = await self._run(argv, workdir, timeout_s)
-            sandboxed = False
+        try:
+            run = await self._run_in(sandbox, sandboxed, argv, workspace, workdir, timeout_s)
+            notes = []
+            if sandboxed and await self._retry_approved(args, ctx, run):
+                notes.append(
+                    f"The sandboxed run failed with exit code {run.exit_code}; "
+                    "rerun outside the sandbox with the user's approval."
+                )
+                sandboxed = False
+                run = await self._run_in(sandbox, False, argv, workspace, workdir, timeout_s)
+        except OSError as e:  # the call's cgroup or filter could not be made
+            return ToolResult(f"the sandbox could not be set up for this call: {e}", True)
         return _result(run, sandboxed, sandbox, notes)
+
+    async def _run_in(
+        self,
+        sandbox: Sandbox,
+        sandboxed: bool,
+        argv: list[str],
+        workspace: Path,
+        workdir: Path,
+        timeout_s: float,
+    ) -> CommandRun:
+        # An approved run outside the sandbox still gets the call's cgroup (when the
+        # sandbox has one): it runs as the harness does, and still ends with the call.
+        confined = sandbox.confined(argv, workspace, workdir=workdir, sandboxed=sandboxed)
+        async with confined as launch:
+            return await self._run(launch.argv, workdir, timeout_s, launch.pass_fds)
 
     def command_env(self) -> dict[str, str]:
         """The harness's environment minus what looks like a credential (as Codex does)."""

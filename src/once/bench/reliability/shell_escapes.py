@@ -16,9 +16,9 @@ import socket
 import sys
 from pathlib import Path
 
+from once.agent.policy import ApprovalPolicy
 from once.agent.tools.base import ToolResult
 from once.bench.reliability.sandbox_arena import (
-    ARENA_LIMITS,
     Arena,
     Attempt,
     Outcome,
@@ -168,11 +168,32 @@ async def process_left_running(arena: Arena) -> Outcome:
     return outcome(name, escapes, "setsid, nohup with ignored signals, double fork: all killed")
 
 
+async def process_left_running_escalated(arena: Arena) -> Outcome:
+    # The user approved running outside the sandbox: no PID namespace holds the command,
+    # and a process that left its session escapes the process-group kill.
+    name = "shell_process_left_running_escalated"
+    if why := arena.unsupported_shell() or _no_limits(arena, "pids"):
+        return Outcome(name, False, why, why)
+    leftover = marker()
+    ctx = arena.context()
+    ctx.policy, ctx.approve = ApprovalPolicy("on-request"), lambda _name, _args: True
+    args = {
+        "command": f"setsid sleep {leftover} > /dev/null 2>&1 < /dev/null & echo started",
+        "with_escalated_permissions": True,
+        "justification": "an escape attempt",
+    }
+    result = await arena.registry.call("shell", args, ctx)
+    if result.metadata.get("sandbox") != "none":
+        return Outcome(name, False, f"the escalated run did not run: {result.output[:160]}")
+    escapes = [] if await _vanish(f"sleep {leftover}") else ["setsid sleep outlived the call"]
+    return outcome(name, escapes, "outside the sandbox, the call's cgroup still killed it")
+
+
 async def fork_bomb(arena: Arena) -> Outcome:
     name = "shell_fork_bomb"
     if why := arena.unsupported_shell() or _no_limits(arena, "pids"):
         return Outcome(name, False, why, why)
-    limit = ARENA_LIMITS.max_processes or 0
+    limit = _limit(arena, "max_processes")
     # First a loop of a fixed size, three times the limit: it must hit the limit.
     bounded = marker()
     loop = (
@@ -203,7 +224,7 @@ async def memory_bomb(arena: Arena) -> Outcome:
     name = "shell_memory_bomb"
     if why := arena.unsupported_shell() or _no_limits(arena, "memory"):
         return Outcome(name, False, why, why)
-    size = 2 * (ARENA_LIMITS.max_memory_bytes or 0)
+    size = 2 * _limit(arena, "max_memory_bytes")
     result = await arena.shell(f"x=$(head -c {size} /dev/zero | tr '\\0' x); echo got ${{#x}}")
     escapes = [f"held {size} bytes over a {size // 2} byte limit"] if "got" in result.output else []
     return outcome(name, escapes, f"killed at the memory limit (exit {_exit_code(result)})")
@@ -229,6 +250,7 @@ SHELL_ATTEMPTS = [
     Attempt("shell_unix_sockets", unix_sockets),
     Attempt("shell_signal_host_process", signal_host_process),
     Attempt("shell_process_left_running", process_left_running),
+    Attempt("shell_process_left_running_escalated", process_left_running_escalated),
     Attempt("shell_fork_bomb", fork_bomb),
     Attempt("shell_memory_bomb", memory_bomb),
     Attempt("shell_hard_link_out", hard_link_out),
@@ -273,6 +295,14 @@ def _accepted(server: socket.socket, what: str) -> list[str]:
 
 def _fork_failed(output: str) -> bool:
     return any(failure in output for failure in FORK_FAILURES)
+
+
+def _limit(arena: Arena, name: str) -> int:
+    cgroups = arena.sandbox.cgroups
+    value = getattr(cgroups.limits, name) if cgroups is not None else None
+    if not isinstance(value, int):
+        raise ValueError(f"the arena's sandbox has no {name}")
+    return value
 
 
 def _no_limits(arena: Arena, kind: str) -> str | None:
