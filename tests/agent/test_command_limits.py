@@ -52,7 +52,11 @@ async def test_forks_past_the_process_limit_fail(cgroups):
     cell = cgroups.cell()
     sleeper = marker()
     try:
-        loop = f"i=0; while [ $i -lt 48 ]; do sleep {sleeper} & i=$((i+1)); done; echo spawned $i"
+        # The sleeps must not hold the pipe open: only the cgroup kills them here.
+        loop = (
+            f"i=0; while [ $i -lt 48 ]; do sleep {sleeper} >/dev/null 2>&1 & i=$((i+1)); done; "
+            "echo spawned $i"
+        )
         proc = await asyncio.create_subprocess_exec(
             *cell.launcher(["sh", "-c", loop]),
             stdout=asyncio.subprocess.PIPE,

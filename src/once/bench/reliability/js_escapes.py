@@ -18,7 +18,10 @@ from once.js_runtime.limits import Determinism, RunLimits
 from once.js_runtime.runner import Answer, ProgramCall, ProgramRun, Replay
 
 QUICK = CodeModeLimits(timeout_s=0.5, max_heap_bytes=32 << 20)
+# The heap limit must be what stops a bomb: the time limit is only a hang guard here.
+GREEDY_LIMITS = CodeModeLimits(timeout_s=20, max_heap_bytes=32 << 20)
 REPLAY_LIMITS = dataclasses.replace(PROGRAM_LIMITS, timeout_s=0.5, max_heap_bytes=32 << 20)
+REPLAY_GREEDY_LIMITS = dataclasses.replace(REPLAY_LIMITS, timeout_s=20)
 DETERMINISM = Determinism(epoch_ms=1_700_000_000_000, seed=7)
 
 ENDLESS = {
@@ -91,7 +94,7 @@ async def endless_programs(arena: Arena) -> Outcome:
 
 async def memory_bombs(arena: Arena) -> Outcome:
     name = "js_memory_bombs"
-    code = _QuickCode()
+    code = _QuickCode(GREEDY_LIMITS)
     escapes = []
     for what, program in GREEDY.items():
         result = await code.registry.call("code", {"code": program}, code.context(arena))
@@ -161,7 +164,8 @@ async def replay_limits(arena: Arena) -> Outcome:
     escapes = []
     cases = [*(("timeout", p) for p in ENDLESS.values()), ("memory", GREEDY["arrays"])]
     for expected, program in cases:
-        run = _replay_run()
+        # A bomb gets a long time limit: the heap limit must be what stops it.
+        run = _replay_run(REPLAY_LIMITS if expected == "timeout" else REPLAY_GREEDY_LIMITS)
         await run.run(program)
         if run.stopped != expected:
             escapes.append(f"{program[:40]!r}: stopped {run.stopped}, expected {expected}")
@@ -198,10 +202,10 @@ JS_ATTEMPTS = [
 
 
 class _QuickCode:
-    """A `code` tool with short limits over a registry of its own (no other tools)."""
+    """A `code` tool with its own limits over a registry of its own (no other tools)."""
 
-    def __init__(self):
-        self.registry = ToolRegistry([CodeModeTool(limits=QUICK)])
+    def __init__(self, limits: CodeModeLimits = QUICK):
+        self.registry = ToolRegistry([CodeModeTool(limits=limits)])
 
     def context(self, arena: Arena):
         ctx = arena.context()
@@ -218,11 +222,11 @@ async def _echo(call: ProgramCall) -> Answer:
     return Answer(f"echo {call.name} {call.arguments}")
 
 
-def _replay_run() -> ProgramRun:
+def _replay_run(limits: RunLimits = REPLAY_LIMITS) -> ProgramRun:
     def answer(call: ProgramCall) -> Answer:
         return Answer(f"recorded {call.name}")
 
-    return ProgramRun(["f"], REPLAY_LIMITS, replay=Replay(DETERMINISM, answer))
+    return ProgramRun(["f"], limits, replay=Replay(DETERMINISM, answer))
 
 
 def _live_run(call_tool) -> ProgramRun:

@@ -37,16 +37,19 @@ async def write_outside(arena: Arena) -> Outcome:
     name = "shell_write_outside"
     if why := arena.unsupported_shell():
         return Outcome(name, False, why, why)
-    out, in_etc = arena.outside, Path(f"/etc/once-escape-{marker()}")
+    out, token = arena.outside, marker()
+    elsewhere = [arena.root / "sibling", Path(f"/etc/once-{token}"), Path(f"/dev/shm/once-{token}")]
     await arena.shell(
         f"echo x > {out}/direct; echo x > ../sibling; ln -s {out} link; echo x > link/via-link; "
         f"echo x > /proc/self/root{out}/via-proc; cp /etc/hostname {out}/copied; "
-        f"mkdir {out}/dir; touch {in_etc}"
+        f"mkdir {out}/dir; touch /etc/once-{token}; echo x > /dev/shm/once-{token}"
     )
-    written = [*sorted(out.iterdir()), *(p for p in (arena.root / "sibling", in_etc) if p.exists())]
-    in_etc.unlink(missing_ok=True)
+    written = [*sorted(out.iterdir()), *(p for p in elsewhere if p.exists())]
+    for path in elsewhere[1:]:
+        path.unlink(missing_ok=True)
     escapes = [f"wrote {path}" for path in written]
-    return outcome(name, escapes, "direct, ../, a symlink, /proc/self/root, /etc: read-only")
+    detail = "direct, ../, a symlink, /proc/self/root, /etc: read-only; /dev/shm: private"
+    return outcome(name, escapes, detail)
 
 
 async def remount_read_write(arena: Arena) -> Outcome:
@@ -117,7 +120,7 @@ async def unix_sockets(arena: Arena) -> Outcome:
     if python is None:
         why = "no Python interpreter outside /tmp to make the attempt with"
         return Outcome(name, False, why, why)
-    path = str(arena.outside / "daemon.sock")
+    path = str(arena.outside / f"daemon-{marker()}.sock")
     abstract = f"\0once-escape-{marker()}"
     with socket.socket(socket.AF_UNIX) as on_path, socket.socket(socket.AF_UNIX) as on_abstract:
         for server, address in ((on_path, path), (on_abstract, abstract)):
@@ -204,9 +207,11 @@ async def fork_bomb(arena: Arena) -> Outcome:
     left = not await _vanish(f"sleep {bounded}")
     if f"spawned {3 * limit}" in result.output or not _fork_failed(result.output) or left:
         return Outcome(name, False, f"a bounded loop of {3 * limit} forks was not held back")
-    # Then the real bomb, which only the limit (and the call's timeout) stops.
+    # Then the real bomb, which only the limit (and the call's timeout) stops. The shell
+    # that starts it stays (the sleep), else the sandbox ends with it and takes the
+    # bomb along before it reaches the limit.
     bomb = marker()
-    command = f": {bomb}; bomb() {{ bomb | bomb & }}; bomb"
+    command = f": {bomb}; bomb() {{ bomb | bomb & }}; bomb; sleep 600"
     result, bomb_peak = await _sampled(arena, command, bomb, timeout_ms=3_000)
     escapes = []
     if bomb_peak > limit:
