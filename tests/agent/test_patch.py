@@ -90,6 +90,22 @@ async def test_multi_hunk_update_with_anchor_and_move(workspace):
     assert "M src/app.py (moved from src/main.py)" in result.output
 
 
+async def test_an_updated_file_keeps_its_mode_and_a_hard_link_keeps_the_old_text(workspace):
+    script = workspace / "src" / "main.py"
+    script.chmod(0o750)
+    other_name = workspace / "main-link.py"
+    other_name.hardlink_to(script)
+    patch = (
+        "*** Begin Patch\n*** Update File: src/main.py\n@@\n-import sys\n+import os\n*** End Patch"
+    )
+    assert not (await apply(workspace, patch)).is_error
+    assert script.stat().st_mode & 0o777 == 0o750
+    assert script.read_text().startswith("import os\n")
+    # The file was replaced, not rewritten in place: the other link is the old file.
+    assert other_name.read_text() == MAIN
+    assert [p.name for p in workspace.rglob(".once-patch-*")] == []
+
+
 async def test_end_of_file_hunk_and_whitespace_tolerance(workspace):
     (workspace / "notes.txt").write_text("x\nend\nmiddle\nend   \n")
     result = await apply(

@@ -18,6 +18,13 @@ program can reach is defined here:
 
 Off-heap allocators (ArrayBuffer, typed arrays, WebAssembly memory) escape V8's heap
 accounting, so they are removed. Messages wait in an outbox the host drains as JSON.
+
+The program shares the isolate with the bridge and may rewrite any builtin or prototype
+first (`String = ...`, `Array.prototype.toJSON = ...`, a setter on `Array.prototype[0]`),
+so the bridge uses only what it captured at install time, and the outbox and its
+messages are null-prototype arrays, appended to by index: nothing a program changes is
+consulted when a message is built or serialized. The host still checks every message's
+shape (runner.py): this only keeps a well-behaved program's bridge working.
 """
 
 HOST = "__once_host"  # the bridge object inside V8; non-writable
@@ -27,29 +34,44 @@ PRELUDE = r"""
   "use strict";
   const g = globalThis;
   const stringify = JSON.stringify;
+  const parse = JSON.parse;
+  const toText = String;
+  const toNumber = Number;
+  const apply = Reflect.apply;
+  const then = Promise.prototype.then;
+  const withoutPrototype = Object.setPrototypeOf;
   const withResolvers = Promise.withResolvers.bind(Promise);
   const options = JSON.parse(optionsJson);
   const replay = options.replay;
-  const outbox = [];
-  const pending = new Map();
-  const timers = new Map();
+  const outbox = withoutPrototype([], null);
+  // By id, in null-prototype objects rather than Maps: Map.prototype is the program's.
+  const pending = withoutPrototype({}, null);
+  const timers = withoutPrototype({}, null);
   let nextId = 0;
   let done = false;
-  const post = (message) => { outbox.push(message); };
+  const post = (...message) => { outbox[outbox.length] = withoutPrototype(message, null); };
+  const ErrorType = Error;
+  const asText = (value) => {
+    try {
+      return toText(value);
+    } catch (_e) {
+      return "[a value that cannot be shown]";  // its toString throws
+    }
+  };
   const show = (value) => {
     if (typeof value === "string") return value;
-    if (value instanceof Error) return String(value);
     try {
-      const text = stringify(value, (_k, v) => (typeof v === "bigint" ? String(v) : v));
-      return text === undefined ? String(value) : text;
+      if (value instanceof ErrorType) return asText(value);
+      const text = stringify(value, (_k, v) => (typeof v === "bigint" ? toText(v) : v));
+      return text === undefined ? asText(value) : text;
     } catch (_e) {
-      return String(value);
+      return asText(value);
     }
   };
   const finish = (ok, text) => {
     if (done) return;
     done = true;
-    post(["done", ok, text]);
+    post("done", ok, text);
     notify();
   };
   const callTool = (name, args) => {
@@ -61,20 +83,24 @@ PRELUDE = r"""
     }
     const id = nextId++;
     const { promise, resolve, reject } = withResolvers();
-    pending.set(id, { resolve, reject });
-    post(["call", id, name, argsJson === undefined ? "null" : argsJson]);
+    pending[id] = { resolve, reject };
+    post("call", id, name, argsJson === undefined ? "null" : argsJson);
     notify();
     return promise;
   };
   const known = {};
-  for (const name of JSON.parse(toolNamesJson)) known[name] = (args) => callTool(name, args);
+  for (const name of parse(toolNamesJson)) known[name] = (args) => callTool(name, args);
   g.tools = new Proxy(Object.freeze(known), {
     get: (target, key) =>
       typeof key !== "string" || key in target || key === "then" || key === "toJSON"
         ? target[key]
         : (args) => callTool(key, args),
   });
-  const print = (...values) => { post(["print", values.map(show).join(" ")]); };
+  const print = (...values) => {
+    let text = "";
+    for (let i = 0; i < values.length; i++) text += (i === 0 ? "" : " ") + show(values[i]);
+    post("print", text);
+  };
   g.print = print;
   g.text = print;
   g.console = Object.freeze({ log: print, info: print, warn: print, error: print, debug: print });
@@ -90,7 +116,7 @@ PRELUDE = r"""
     g.setTimeout = (callback, delay, ...args) => {
       const id = nextId++;
       const at = clock + Math.max(0, Number(delay) || 0);
-      timers.set(id, { at, callback: () => callback(...args) });
+      timers[id] = { at, callback: () => callback(...args) };
       return id;
     };
     let state = replay.seed >>> 0;
@@ -117,13 +143,15 @@ PRELUDE = r"""
   } else {
     g.setTimeout = (callback, delay, ...args) => {
       const id = nextId++;
-      timers.set(id, { callback: () => callback(...args) });
-      post(["timer", id, Number(delay) || 0]);
+      timers[id] = { callback: () => callback(...args) };
+      // As Node does, a delay that is not a number from 1 to 2^31 - 1 ms becomes 1 ms.
+      const ms = toNumber(delay);
+      post("timer", id, ms >= 1 && ms <= 2147483647 ? ms : 1);
       notify();
       return id;
     };
   }
-  g.clearTimeout = (id) => { timers.delete(id); };
+  g.clearTimeout = (id) => { delete timers[id]; };
   g.__timer_manager = undefined;
   for (const name of [
     "WebAssembly", "ArrayBuffer", "SharedArrayBuffer", "Atomics", "DataView",
@@ -132,18 +160,18 @@ PRELUDE = r"""
     "BigInt64Array", "BigUint64Array",
   ]) Reflect.deleteProperty(g, name);
   const settle = (id, ok, output) => {
-    const call = pending.get(id);
+    const call = pending[id];
     if (call === undefined) return;
-    pending.delete(id);
+    delete pending[id];
     if (ok) call.resolve(output);
     else call.reject(new Error(output));
   };
   const host = {
     start: (program) => {
-      program().then(
+      apply(then, program(), [
         (value) => finish(true, value === undefined ? null : show(value)),
         (error) => finish(false, "Uncaught " + show(error)),
-      );
+      ]);
     },
     drain: () => {
       const text = stringify(outbox);
@@ -154,23 +182,26 @@ PRELUDE = r"""
     // A replay's round of answers: [[id, ok, output], ...], all settled before any
     // continuation runs.
     settleAll: (answersJson) => {
-      for (const [id, ok, output] of JSON.parse(answersJson)) settle(id, ok, output);
+      const answers = parse(answersJson);
+      for (let i = 0; i < answers.length; i++) settle(answers[i][0], answers[i][1], answers[i][2]);
     },
     fire: (id) => {
-      const timer = timers.get(id);
+      const timer = timers[id];
       if (timer === undefined) return;
-      timers.delete(id);
+      delete timers[id];
       fire(timer.callback);
     },
     // A replay's clock moves to the earliest timer (ties: the first set), which fires;
     // false when no timer is left.
     advance: () => {
       let next;
-      for (const entry of timers) if (next === undefined || entry[1].at < next[1].at) next = entry;
+      // for-in visits integer keys in ascending order: the order the timers were set.
+      for (const id in timers) if (next === undefined || timers[id].at < timers[next].at) next = id;
       if (next === undefined) return false;
-      timers.delete(next[0]);
-      clock = Math.max(clock, next[1].at);
-      fire(next[1].callback);
+      const timer = timers[next];
+      delete timers[next];
+      clock = Math.max(clock, timer.at);
+      fire(timer.callback);
       return true;
     },
   };

@@ -29,12 +29,16 @@ A program's tool calls are answered one of two ways:
   start (the gateway's programmatic tool calling).
 
 No file system, network or modules exist in plain V8 (no `require`, `fetch`, `process`;
-`import()` fails).
+`import()` fails). What comes out of V8 is the program's to shape (it shares the isolate
+with the bridge), so every message is checked before Python acts on it: a message of the
+wrong shape stops the run ("bridge"), never raises here; and what a run sends out in all
+is capped (`max_output_bytes`, "output"), since the heap limit bounds only one message.
 """
 
 import asyncio
 import contextlib
 import json
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
@@ -87,6 +91,23 @@ class _OutOfMemory(Exception):
     pass
 
 
+class _BrokenBridge(Exception):
+    """A message from V8 that is not one the prelude sends; the text says how."""
+
+
+class _TooMuchOutput(Exception):
+    pass
+
+
+# The fields after each message's kind, by exact type (a bool is not a call id).
+_MESSAGE_FIELDS: dict[str, tuple[tuple[type, ...], ...]] = {
+    "print": ((str,),),
+    "call": ((int,), (str,), (str,)),
+    "timer": ((int,), (int, float)),
+    "done": ((bool,), (str, type(None))),
+}
+
+
 class ProgramRun:
     def __init__(
         self,
@@ -107,8 +128,10 @@ class ProgramRun:
         self.printed: list[str] = []
         self.result: str | None = None
         self.error: str | None = None
-        self.stopped: str | None = None  # None, "timeout", "memory" or (a replay) "stuck"
+        # None, "timeout", "memory", "output", "bridge" or (a replay) "stuck"
+        self.stopped: str | None = None
         self.num_tool_calls = 0
+        self.num_output_bytes = 0  # of messages drained from V8
         self.finished = False
         # A suspended replay: the round it stopped in, each call with its answer or None.
         self.suspended: list[tuple[ProgramCall, Answer | None]] = []
@@ -139,6 +162,11 @@ class ProgramRun:
             self._stop("timeout", f"the {self.limits.timeout_s:g} s time limit")
         except (_OutOfMemory, JSOOMException):
             self._stop("memory", f"the {self.limits.max_heap_bytes / 2**20:g} MiB memory limit")
+        except _TooMuchOutput:
+            self._stop("output", f"the {self.limits.max_output_bytes / 2**20:g} MiB output limit")
+        except _BrokenBridge as e:
+            self.stopped, self.suspended = "bridge", []
+            self.error = f"program stopped: it broke the tool bridge ({e})"
         finally:
             background = [*self._calls, *self._timers]
             for task in background:
@@ -272,12 +300,17 @@ class ProgramRun:
             if not drain.done():
                 drain.cancel()
         try:
-            drained = cast(str, drain.result())  # JSON
-        except JSEvalException:
+            drained = drain.result()  # JSON text, if the program left the bridge alone
+        except JSEvalException as e:
             if racer.was_hard_memory_limit_reached():
                 raise _OutOfMemory from None
-            raise
-        for message in json.loads(drained):
+            raise _BrokenBridge(f"the outbox could not be drained: {e}") from None
+        if not isinstance(drained, str):
+            raise _BrokenBridge(f"the outbox drained as {type(drained).__name__}, not text")
+        self.num_output_bytes += len(drained)
+        if self.num_output_bytes > self.limits.max_output_bytes:
+            raise _TooMuchOutput
+        for message in _parse_outbox(drained):
             await self._handle(racer, message)
 
     async def _handle(self, racer: MiniRacer, message: list) -> None:
@@ -295,7 +328,7 @@ class ProgramRun:
                 answer = Answer(refusal, True) if refusal is not None else self.replay.answer(call)
                 self._waiting.append((call, answer))
             elif refusal is not None:
-                await _settle(racer, call.call_id, Answer(refusal, True))
+                await self._into_v8(_settle(racer, call.call_id, Answer(refusal, True)))
             else:
                 self._spawn(self._calls, self._live_call(racer, call))
         elif kind == "timer":
@@ -312,6 +345,26 @@ class ProgramRun:
         task = asyncio.get_running_loop().create_task(coro)
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+
+
+def _parse_outbox(drained: str) -> list[list]:
+    try:
+        messages = json.loads(drained)
+    except ValueError:
+        raise _BrokenBridge("the outbox is not JSON") from None
+    if not isinstance(messages, list):
+        raise _BrokenBridge(f"the outbox is a JSON {type(messages).__name__}, not a list")
+    for message in messages:
+        kind = message[0] if isinstance(message, list) and message else None
+        fields = _MESSAGE_FIELDS.get(kind) if isinstance(kind, str) else None
+        if (
+            fields is None
+            or len(message) != len(fields) + 1
+            or not all(type(v) in types for v, types in zip(message[1:], fields, strict=True))
+            or (message[0] == "timer" and not math.isfinite(message[2]))
+        ):
+            raise _BrokenBridge(f"a message of unknown shape: {json.dumps(message)[:200]}")
+    return messages
 
 
 async def _settle(racer: MiniRacer, call_id: int, answer: Answer) -> None:

@@ -82,7 +82,7 @@ class CodeModeTool:
             "num_tool_calls": run.num_tool_calls,
             "elapsed_s": time.perf_counter() - start,
             "truncated": truncated,
-            "stopped": run.stopped,  # None, "timeout" or "memory"
+            "stopped": run.stopped,  # None, "timeout", "memory", "output" or "bridge"
         }
         return ToolResult(output, run.error is not None, metadata)
 

@@ -23,11 +23,19 @@ surrounding whitespace, then with typographic punctuation made plain. Every file
 computed in memory before anything is written, so a hunk that does not apply fails the
 whole patch, naming the file, the hunk and the lines it expected. Paths must resolve
 (symlinks included) inside the workspace.
+
+Writing re-checks what planning checked, without a window between check and use: each
+directory is opened from the workspace down with O_NOFOLLOW (a directory a concurrent
+command swapped for a symlink fails the write instead of being followed out), and a file
+is replaced by a rename within its directory, never truncated in place (a symlink or a
+hard link in its place is replaced, not written through).
 """
 
 import contextlib
 import io
 import os
+import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -263,11 +271,11 @@ class PatchPlan:
         for path, content in self.contents.items():
             self.originals.setdefault(path, path.read_bytes() if path.is_file() else None)
             try:
-                _write(path, content, self.modes.get(path))
+                _write(self.workspace, path, content, self.modes.get(path))
             except OSError as e:
                 for written in [*done, path]:
                     with contextlib.suppress(OSError):  # best effort: restore all we can
-                        _write(written, self.originals[written], None)
+                        _write(self.workspace, written, self.originals[written], None)
                 raise PatchError(f"could not write {self.display(path)}: {e}") from None
             done.append(path)
 
@@ -385,11 +393,54 @@ def _find_hunk(lines: list[str], old: list[str], index: int, hunk: Hunk) -> int 
     return seek_lines(lines, old, index)
 
 
-def _write(path: Path, content: str | bytes | None, mode: int | None) -> None:
-    if content is None:
-        path.unlink(missing_ok=True)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(content.encode("utf-8") if isinstance(content, str) else content)
-    if mode is not None:
-        os.chmod(path, mode & 0o7777)
+def _write(workspace: Path, path: Path, content: str | bytes | None, mode: int | None) -> None:
+    """Write (None: delete) `path`, inside `workspace`, as the module docstring says."""
+    parts = path.relative_to(workspace).parts
+    try:
+        parent = _open_directory(workspace, parts[:-1], create=content is not None)
+    except FileNotFoundError:
+        if content is None:
+            return  # deleting a file whose directory is gone: nothing to do
+        raise
+    name = parts[-1]
+    try:
+        if content is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=parent)
+            return
+        if mode is None:  # an existing regular file keeps its mode
+            with contextlib.suppress(FileNotFoundError):
+                existing = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                mode = existing.st_mode if stat.S_ISREG(existing.st_mode) else None
+        temp = f".once-patch-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        fd = os.open(temp, flags, 0o666, dir_fd=parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content.encode("utf-8") if isinstance(content, str) else content)
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode & 0o7777)
+            os.rename(temp, name, src_dir_fd=parent, dst_dir_fd=parent)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp, dir_fd=parent)
+            raise
+    finally:
+        os.close(parent)
+
+
+def _open_directory(workspace: Path, parts: tuple[str, ...], *, create: bool) -> int:
+    """A descriptor of workspace/parts..., each step opened without following a symlink."""
+    fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, dir_fd=fd)
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

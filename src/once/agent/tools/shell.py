@@ -4,9 +4,9 @@ A string command runs as `bash -lc COMMAND`; an argv runs as given. stdout and s
 share one pipe, so the model sees them interleaved as a terminal would. Output is kept as
 a head and a tail of a byte budget while it streams (a `yes` cannot fill memory) and the
 middle is replaced by a marker saying how much was cut. The command runs in its own
-process group (and, sandboxed, its own PID namespace); at a timeout, when the command
-exits, or when the call is cancelled, the whole group is killed, so no process outlives
-its call.
+process group (and, sandboxed, its own PID namespace and cgroup); at a timeout, when the
+command exits, or when the call is cancelled, the whole group is killed (sandboxed: the
+namespace and whatever is left in the cgroup), so no process outlives its call.
 
 Whether this call is sandboxed is the policy's decision (`ApprovalPolicy.take_decision`);
 under `on-failure` a sandboxed run that fails like a sandbox denial is offered to the user
@@ -137,6 +137,7 @@ async def run_command(
     timeout_s: float,
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
     env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> CommandRun:
     # The output pipe is ours, not asyncio's: asyncio's Process.wait() returns only once
     # its pipes close, so a background job holding stdout would look like a running command.
@@ -152,6 +153,7 @@ async def run_command(
             stdout=write_fd,
             stderr=write_fd,
             start_new_session=True,  # its own process group, killed as one
+            pass_fds=pass_fds,
         )
     except BaseException:
         os.close(read_fd)
@@ -220,17 +222,34 @@ class ShellTool:
         sandbox: Sandbox = ctx.sandbox if ctx.sandbox is not None else default_sandbox()
         sandboxed = sandbox.enforced and (decision is None or decision.sandboxed)
 
-        run_argv = sandbox.wrap(argv, workspace, workdir=workdir) if sandboxed else argv
-        run = await self._run(run_argv, workdir, timeout_s)
-        notes = []
-        if sandboxed and await self._retry_approved(args, ctx, run):
-            notes.append(
-                f"The sandboxed run failed with exit code {run.exit_code}; "
-                "rerun outside the sandbox with the user's approval."
-            )
-            run = await self._run(argv, workdir, timeout_s)
-            sandboxed = False
+        try:
+            run = await self._run_in(sandbox, sandboxed, argv, workspace, workdir, timeout_s)
+            notes = []
+            if sandboxed and await self._retry_approved(args, ctx, run):
+                notes.append(
+                    f"The sandboxed run failed with exit code {run.exit_code}; "
+                    "rerun outside the sandbox with the user's approval."
+                )
+                sandboxed = False
+                run = await self._run_in(sandbox, False, argv, workspace, workdir, timeout_s)
+        except OSError as e:  # the call's cgroup or filter could not be made
+            return ToolResult(f"the sandbox could not be set up for this call: {e}", True)
         return _result(run, sandboxed, sandbox, notes)
+
+    async def _run_in(
+        self,
+        sandbox: Sandbox,
+        sandboxed: bool,
+        argv: list[str],
+        workspace: Path,
+        workdir: Path,
+        timeout_s: float,
+    ) -> CommandRun:
+        # An approved run outside the sandbox still gets the call's cgroup (when the
+        # sandbox has one): it runs as the harness does, and still ends with the call.
+        confined = sandbox.confined(argv, workspace, workdir=workdir, sandboxed=sandboxed)
+        async with confined as launch:
+            return await self._run(launch.argv, workdir, timeout_s, launch.pass_fds)
 
     def command_env(self) -> dict[str, str]:
         """The harness's environment minus what looks like a credential (as Codex does)."""
@@ -240,7 +259,9 @@ class ShellTool:
             if not any(marker in name.upper() for marker in self.secret_env_markers)
         }
 
-    async def _run(self, argv: list[str], workdir: Path, timeout_s: float) -> CommandRun:
+    async def _run(
+        self, argv: list[str], workdir: Path, timeout_s: float, pass_fds: tuple[int, ...] = ()
+    ) -> CommandRun:
         try:
             return await run_command(
                 argv,
@@ -248,6 +269,7 @@ class ShellTool:
                 timeout_s=timeout_s,
                 max_output_bytes=self.max_output_bytes,
                 env=self.command_env(),
+                pass_fds=pass_fds,
             )
         except OSError as e:  # the program does not exist, is not executable, ...
             return CommandRun(127, f"could not start {argv[0]!r}: {e}", False, 0.0, 0, 0, timeout_s)
