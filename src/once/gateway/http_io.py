@@ -7,6 +7,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from once.protocol.errors import (
+    EngineOverloadedError,
     InvalidJSONError,
     InvalidRequestError,
     OnceError,
@@ -27,6 +28,8 @@ def error_response(error: OnceError, headers: dict[str, str] | None = None) -> J
     headers = dict(headers or {})
     if isinstance(error, RateLimitError):
         headers["retry-after"] = str(max(1, round(error.retry_after_s)))
+    elif isinstance(error, EngineOverloadedError):
+        headers["retry-after"] = "1"  # the engine refused it before any token: retry soon
     if error.status >= 500:
         headers["connection"] = "close"  # the client's next request opens a fresh one
     return JSONResponse({"error": error.to_dict()}, status_code=error.status, headers=headers)
