@@ -74,3 +74,14 @@ def final_response(events: list[dict]) -> dict | None:
         if event.get("type") in ("response.completed", "response.incomplete", "response.failed"):
             return event["response"]
     return None
+
+
+def output_text(response: dict) -> str:
+    """The text of a response's messages (what a client compares across a fault: the
+    SDK's dumps and the server's JSON differ in which empty fields they carry)."""
+    return "".join(
+        part.get("text", "")
+        for item in response.get("output") or ()
+        if item.get("type") == "message"
+        for part in item.get("content") or ()
+    )

@@ -32,6 +32,7 @@ from once.bench.reliability.fault_kit import (
     FaultContext,
     FaultResult,
     final_response,
+    output_text,
     stream_response,
     user,
 )
@@ -149,7 +150,7 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
                 down_new = await respond("while down")
                 down_continue = await respond("continue while down", stored[-1]["id"])
                 down_get = await http.get(f"/v1/responses/{stored[0]['id']}")
-                conversation += first["output"] + [user("still there?")]
+                conversation = conversation + first["output"] + [user("still there?")]
                 ws_down = await websocket.create({"model": DEFAULT_MODEL, "input": conversation})
                 down_s = time.perf_counter() - started
             finally:
@@ -163,7 +164,7 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
             store_failures = metrics.value(metrics.store_failures)
 
     lost = sum(
-        reply.status_code != 200 or reply.json()["output"] != response["output"]
+        reply.status_code != 200 or output_text(reply.json()) != output_text(response)
         for reply, response in zip(found, stored, strict=True)
     )
     store_error = down_new.get(STORE_ERROR_FIELD) or {}
@@ -195,5 +196,6 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
             "found_after": len(stored) - lost,
             "seconds_for_four_requests_while_down": round(down_s, 3),
             "store_failures": store_failures,
+            "websocket_incremental_calls_while_down": websocket.stats.incremental_calls,
         },
     )

@@ -43,19 +43,23 @@ class Session:
         self.error: OnceError | None = None
         self.attempts = 0
 
+    def request_id(self, attempt: int = 0) -> str:
+        return f"session-{self.index}-try-{attempt}"
+
     def request(self) -> GenerateRequest:
         return GenerateRequest(
-            request_id=f"session-{self.index}-try-{self.attempts}",
+            request_id=self.request_id(self.attempts),
             prompt_token_ids=PROMPT,
             sampling=SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, ignore_eos=True),
             forced_output_ids=output_of(self.index),
         )
 
     async def stream(self) -> None:
+        request = self.request()
         self.attempts += 1
         self.tokens, self.error = [], None
         try:
-            async for delta in self.router.generate(self.request()):
+            async for delta in self.router.generate(request):
                 self.tokens.extend(delta.token_ids)
         except OnceError as exc:
             self.error = exc
@@ -85,15 +89,15 @@ async def replica_killed_mid_stream(context: FaultContext) -> FaultResult:
             tasks += [asyncio.create_task(s.stream()) for s in sessions[4:]]
             await _wait_until(lambda: len(router.decisions) >= 6, "the routing of 6 requests")
             where = {request_id: name for request_id, name in router.decisions}
-            victim = where[sessions[5].request().request_id]
+            victim = where[sessions[5].request_id()]
             victim_index = [r.name for r in router.replicas].index(victim)
             servers[victim_index].kill()
             async with asyncio.timeout(WAIT_S):
                 await asyncio.gather(*tasks)
             first_try = {s.index: (s.complete, s.error) for s in sessions}
             # Streams on the victim that had tokens (sessions 0..3 routed there).
-            cut = [s for s in sessions[:4] if where[f"session-{s.index}-try-0"] == victim]
-            spared = [s for s in sessions[:5] if where[f"session-{s.index}-try-0"] != victim]
+            cut = [s for s in sessions[:4] if where[s.request_id()] == victim]
+            spared = [s for s in sessions[:5] if where[s.request_id()] != victim]
             retried_by_router = router.counters["num_retries"]
             for session in sessions:
                 if not session.complete:

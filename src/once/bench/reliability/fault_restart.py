@@ -20,7 +20,7 @@ import httpx
 import openai
 
 from once.agent.transport.websocket import WebSocketTransport
-from once.bench.reliability.fault_kit import FaultContext, FaultResult, user
+from once.bench.reliability.fault_kit import FaultContext, FaultResult, output_text, user
 from once.bench.reliability.fault_servers import running
 from once.gateway.testing import DEFAULT_MODEL
 
@@ -31,15 +31,6 @@ TURN_TIMEOUT_S = 30.0
 
 def _request(conversation: list[dict]) -> dict:
     return {"model": DEFAULT_MODEL, "instructions": INSTRUCTIONS, "input": list(conversation)}
-
-
-def _text(response: dict) -> str:
-    return "".join(
-        part.get("text", "")
-        for item in response.get("output") or ()
-        if item.get("type") == "message"
-        for part in item.get("content") or ()
-    )
 
 
 async def _http_turn(http: httpx.AsyncClient, text: str, previous_id: str | None) -> dict:
@@ -97,12 +88,12 @@ async def gateway_restarted_mid_session(context: FaultContext) -> FaultResult:
         response_id
         for response_id, response in acknowledged.items()
         if found[response_id] is None
-        or found[response_id]["output"] != response["output"]
+        or output_text(found[response_id]) != output_text(response)
         or found[response_id]["status"] != response["status"]
     ]
     stats = transport.stats
-    http_continued = http_next.get("status") == "completed" and _text(http_next) == REPLY
-    ws_continued = ws_next.get("status") == "completed" and _text(ws_next) == REPLY
+    http_continued = http_next.get("status") == "completed" and output_text(http_next) == REPLY
+    ws_continued = ws_next.get("status") == "completed" and output_text(ws_next) == REPLY
     checks = {
         "stored responses survive the restart": not lost,
         "the HTTP chain continues by previous_response_id": http_continued,

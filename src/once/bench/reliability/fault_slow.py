@@ -6,17 +6,20 @@ socket has a small send buffer, so a reader that stops fills the few buffers bet
 engine and it (kernel, uvicorn's 64 KiB write buffer) within a second. Raw sockets play
 the bad clients. What must hold:
 
-- the slow reader (a long stream, its receive buffer small, read once and then never):
-  its write blocks, the deadline passes, the stream ends and its engine request is
-  aborted (finish "abort", long before its output could have finished), counted;
+- the slow readers (a long stream over SSE and one over a WebSocket, each client's
+  receive buffer small, read once and then never): the write blocks, the deadline
+  passes, the stream ends and its engine request is aborted (finish "abort", long before
+  its output could have finished), counted;
 - slowloris: clients that never finish their headers hold only their sockets; one that
   trickles its body gets a 408 `request_timeout` once the body deadline passes, counted;
 - meanwhile other clients' streams complete, whole and exact.
 """
 
 import asyncio
+import base64
 import contextlib
 import json
+import os
 import re
 import socket
 import time
@@ -27,6 +30,7 @@ from once.bench.reliability.fault_kit import (
     FaultContext,
     FaultResult,
     final_response,
+    output_text,
     stream_response,
 )
 from once.engine.scripted import ScriptedEngine
@@ -75,6 +79,40 @@ async def _connect(port: int, receive_buffer: int | None = None) -> socket.socke
     return sock
 
 
+def _websocket_handshake() -> bytes:
+    key = base64.b64encode(os.urandom(16)).decode()
+    return (
+        "GET /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    ).encode()
+
+
+def _websocket_text_frame(payload: bytes) -> bytes:
+    # RFC 6455: FIN + text opcode, the mask bit and a 7- or 16-bit length, the masking key.
+    mask = os.urandom(4)
+    size = len(payload)
+    length = bytes([0x80 | size]) if size < 126 else bytes([0x80 | 126]) + size.to_bytes(2, "big")
+    masked = bytes(byte ^ mask[i % 4] for i, byte in enumerate(payload))
+    return bytes([0x81]) + length + mask + masked
+
+
+async def _start_slow_reader(port: int, websocket: bool) -> tuple[socket.socket, str]:
+    """A client asking for a long stream, its receive buffer small, that reads up to its
+    response's id and then never again: the socket and that id."""
+    loop = asyncio.get_running_loop()
+    sock = await _connect(port, CLIENT_RECEIVE_BUFFER_BYTES)
+    body = {"model": DEFAULT_MODEL, "input": "go on", "max_output_tokens": NUM_LONG_TOKENS}
+    if websocket:
+        await loop.sock_sendall(sock, _websocket_handshake())
+        await _recv_until(sock, re.compile(rb"HTTP/1.1 101.*?\r\n\r\n", re.S))
+        frame = json.dumps({"type": "response.create", **body}).encode()
+        await loop.sock_sendall(sock, _websocket_text_frame(frame))
+    else:
+        payload = json.dumps({**body, "stream": True}).encode()
+        await loop.sock_sendall(sock, _post("/v1/responses", payload))
+    return sock, (await _recv_until(sock, _RESPONSE_ID)).group(1).decode()
+
+
 async def _recv_until(sock: socket.socket, pattern: re.Pattern[bytes]) -> re.Match[bytes]:
     loop, seen = asyncio.get_running_loop(), b""
     async with asyncio.timeout(WAIT_S):
@@ -107,13 +145,12 @@ async def slow_reader_and_slowloris(context: FaultContext) -> FaultResult:
     async with serving as (url, gateway), httpx.AsyncClient(timeout=WAIT_S) as http:
         port = int(url.rsplit(":", 1)[1])
         try:
-            # The slow reader: reads up to its response's id, then never again.
-            slow = await _connect(port, CLIENT_RECEIVE_BUFFER_BYTES)
-            sockets.append(slow)
-            body = {"model": DEFAULT_MODEL, "input": "go on", "stream": True}
-            body["max_output_tokens"] = NUM_LONG_TOKENS
-            await loop.sock_sendall(slow, _post("/v1/responses", json.dumps(body).encode()))
-            slow_id = (await _recv_until(slow, _RESPONSE_ID)).group(1).decode()
+            # The slow readers, over SSE and over a WebSocket.
+            slow_ids = []
+            for websocket in (False, True):
+                sock, response_id = await _start_slow_reader(port, websocket)
+                sockets.append(sock)
+                slow_ids.append(response_id)
             stopped_reading = time.monotonic()
             # Slowloris: headers never finished, and a body trickled.
             for _ in range(NUM_HEADER_SLOWLORIS):
@@ -133,7 +170,8 @@ async def slow_reader_and_slowloris(context: FaultContext) -> FaultResult:
             )
             status = await _recv_until(trickle, _TIMED_OUT)
             await _wait_for(
-                lambda: slow_id in engine.finish_reasons, "the slow reader's engine request"
+                lambda: all(i in engine.finish_reasons for i in slow_ids),
+                "the slow readers' engine requests",
             )
             seconds_to_abort = time.monotonic() - stopped_reading
             metrics = gateway.metrics
@@ -148,13 +186,16 @@ async def slow_reader_and_slowloris(context: FaultContext) -> FaultResult:
     finals = [final_response(events) or {} for events in others]
     other_tokens = sum((f.get("usage") or {}).get("output_tokens", 0) for f in finals)
     others_whole = all(
-        f.get("status") == "completed" and f["output"][0]["content"][0]["text"] == SHORT_TEXT
-        for f in finals
+        f.get("status") == "completed" and output_text(f) == SHORT_TEXT for f in finals
     )
     checks = {
-        "the slow reader's engine request is aborted": engine.finish_reasons.get(slow_id)
+        "the SSE slow reader's engine request is aborted": engine.finish_reasons.get(slow_ids[0])
         == "abort",
-        "the send deadline is counted": send_timeouts == 1,
+        "the WebSocket slow reader's engine request is aborted": engine.finish_reasons.get(
+            slow_ids[1]
+        )
+        == "abort",
+        "the send deadlines are counted": send_timeouts == 2,
         "a trickled body gets 408 request_timeout": status.group(1) == b"408",
         "the body deadline is counted": body_timeouts == 1,
         "other streams complete whole while the bad clients hang on": others_whole,
@@ -166,8 +207,8 @@ async def slow_reader_and_slowloris(context: FaultContext) -> FaultResult:
         detail={
             "send_timeout_s": SEND_TIMEOUT_S,
             "body_timeout_s": BODY_TIMEOUT_S,
-            "seconds_from_last_read_to_engine_abort": round(seconds_to_abort, 2),
-            "slow_reader_tokens_generated_of": [num_generated - other_tokens, NUM_LONG_TOKENS],
+            "seconds_from_last_read_to_both_engine_aborts": round(seconds_to_abort, 2),
+            "slow_readers_tokens_generated_of": [num_generated - other_tokens, 2 * NUM_LONG_TOKENS],
             "header_slowloris_connections_held": NUM_HEADER_SLOWLORIS,
             "other_streams_completed": sum(f.get("status") == "completed" for f in finals),
         },

@@ -26,6 +26,7 @@ from once.bench.reliability.fault_kit import (
     FaultContext,
     FaultResult,
     final_response,
+    output_text,
     stream_response,
     user,
 )
@@ -83,7 +84,7 @@ async def store_disk_full(context: FaultContext) -> FaultResult:
                     if sum(not _stored(r) for r in responses) >= 3:
                         break
                 plain = await http.post("/v1/responses", json={**body, "stream": False})
-                conversation += first["output"] + [user("and now?")]
+                conversation = conversation + first["output"] + [user("and now?")]
                 ws_next = await websocket.create({"model": DEFAULT_MODEL, "input": conversation})
             finally:
                 await websocket.close()
@@ -105,7 +106,7 @@ async def store_disk_full(context: FaultContext) -> FaultResult:
         logging.getLogger("once.gateway.pipeline").removeHandler(warnings)
 
     lost = sum(
-        reply.status_code != 200 or reply.json()["output"] != response["output"]
+        reply.status_code != 200 or output_text(reply.json()) != output_text(response)
         for response, reply in zip(acked, found.values(), strict=True)
     )
     errors = [r.get(STORE_ERROR_FIELD) or {} for r in refused]
@@ -123,7 +124,9 @@ async def store_disk_full(context: FaultContext) -> FaultResult:
         "refused responses read as not found": all(r.status_code == 404 for r in refused_found),
         "the file is intact with exactly the acknowledged rows": integrity == "ok"
         and num_rows == len(acked),
-        "the WebSocket session goes on": ws_next.get("status") == "completed",
+        "the WebSocket session goes on from its connection": ws_next.get("status")
+        == "completed"
+        and websocket.stats.incremental_calls == 1,
         "responses are stored again once there is room": _stored(after_room),
     }
     return FaultResult(
@@ -133,7 +136,7 @@ async def store_disk_full(context: FaultContext) -> FaultResult:
         stored_responses_lost=lost,
         detail={
             "disk_full_by": f"SQLite max_page_count, a {STORE_MAX_BYTES // 1024} KiB cap",
-            "responses": len(responses) + 1,
+            "responses": len(responses) + 2,  # with the plain reply and the second WS turn
             "stored": len(acked),
             "refused": len(refused),
             "store_failures_counted": store_failures,
