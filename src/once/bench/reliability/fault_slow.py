@@ -41,7 +41,9 @@ SEND_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 1.0
 SERVER_SEND_BUFFER_BYTES = 4096  # the kernel doubles it
 CLIENT_RECEIVE_BUFFER_BYTES = 4096
-NUM_LONG_TOKENS = 30_000  # at 8 tokens every 4 ms: 15 s if it were never aborted
+# The slow readers' max_output_tokens, which the script answers with this many tokens of
+# 80 characters each: at 8 tokens every 8 ms, 8 s if it were never aborted.
+NUM_LONG_TOKENS = 8000
 NUM_HEADER_SLOWLORIS = 8
 NUM_OTHER_STREAMS = 3
 WAIT_S = 30.0  # hang guard
@@ -53,13 +55,13 @@ _TIMED_OUT = re.compile(rb"HTTP/1.1 (\d+).*?request_timeout", re.S)
 def _engine(runtime) -> ScriptedEngine:
     eos = runtime.tokenizer.eos_token_id
     short = runtime.builder.encode(SHORT_TEXT) + [eos]
-    words = runtime.builder.encode(" and so it goes on")
-    long = (words * (NUM_LONG_TOKENS // len(words) + 1))[:NUM_LONG_TOKENS]
+    rule = runtime.builder.encode("#" * 80)
+    long = (rule * NUM_LONG_TOKENS)[:NUM_LONG_TOKENS]
 
     def script(request):
-        return long if request.sampling.max_tokens >= NUM_LONG_TOKENS else short
+        return long if request.sampling.max_tokens == NUM_LONG_TOKENS else short
 
-    return ScriptedEngine(script, eos_token_id=eos, token_latency_s=0.0005, tokens_per_delta=8)
+    return ScriptedEngine(script, eos_token_id=eos, token_latency_s=0.001, tokens_per_delta=8)
 
 
 def _post(path: str, body: bytes, *, send_bytes: int | None = None) -> bytes:
