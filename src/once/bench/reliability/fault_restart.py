@@ -70,7 +70,7 @@ async def gateway_restarted_mid_session(context: FaultContext) -> FaultResult:
                 gateway.kill()
                 await gateway.restart()
 
-                found = {}
+                found: dict[str, dict | None] = {}
                 for response_id in acknowledged:
                     reply = await http.get(f"/v1/responses/{response_id}")
                     found[response_id] = reply.json() if reply.status_code == 200 else None
@@ -84,13 +84,14 @@ async def gateway_restarted_mid_session(context: FaultContext) -> FaultResult:
             await http.aclose()
             await client.close()
 
-    lost = [
-        response_id
-        for response_id, response in acknowledged.items()
-        if found[response_id] is None
-        or output_text(found[response_id]) != output_text(response)
-        or found[response_id]["status"] != response["status"]
-    ]
+    def survived(response: dict) -> bool:
+        after = found[response["id"]]
+        return after is not None and (after["status"], output_text(after)) == (
+            response["status"],
+            output_text(response),
+        )
+
+    lost = [response_id for response_id, response in acknowledged.items() if not survived(response)]
     stats = transport.stats
     http_continued = http_next.get("status") == "completed" and output_text(http_next) == REPLY
     ws_continued = ws_next.get("status") == "completed" and output_text(ws_next) == REPLY

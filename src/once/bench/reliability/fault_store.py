@@ -124,8 +124,7 @@ async def store_disk_full(context: FaultContext) -> FaultResult:
         "refused responses read as not found": all(r.status_code == 404 for r in refused_found),
         "the file is intact with exactly the acknowledged rows": integrity == "ok"
         and num_rows == len(acked),
-        "the WebSocket session goes on from its connection": ws_next.get("status")
-        == "completed"
+        "the WebSocket session goes on from its connection": ws_next.get("status") == "completed"
         and websocket.stats.incremental_calls == 1,
         "responses are stored again once there is room": _stored(after_room),
     }
