@@ -130,11 +130,16 @@ def create_gateway(
     return ResponsePipeline(
         engine,
         models,
-        open_store(config.store, config.store_ttl_s, max_bytes=config.store_max_bytes),
+        open_store(
+            config.store,
+            config.store_ttl_s,
+            max_bytes=config.store_max_bytes,
+            redis_timeout_s=config.redis_timeout_s,
+        ),
         GatewayMetrics(registry),
         CpuCostMeter(registry),
         keyring,
-        RateLimiter(config.rate_limit_storage),
+        RateLimiter(config.rate_limit_storage, redis_timeout_s=config.redis_timeout_s),
         verify_every=config.verify_every,
         stream_interval_s=config.stream_interval_s,
         max_body_bytes=config.max_body_bytes,

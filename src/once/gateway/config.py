@@ -20,6 +20,7 @@ class GatewayConfig:
     default_max_output_tokens: int = 0
     api_keys_file: str | None = None  # None: no auth, every caller is tenant "default"
     rate_limit_storage: str = "memory://"  # or redis://host:port
+    redis_timeout_s: float = 5.0  # each call to a Redis (store or rate limits), then an error
     store: str = DEFAULT_STORE  # sqlite:///path.db | memory | redis://host:port/db
     store_ttl_s: float = 30 * 24 * 3600.0  # as long as OpenAI keeps stored responses
     # A SQLite store's file size cap; past it, puts fail as on a full disk. 0: no cap.

@@ -256,10 +256,16 @@ class RedisResponseStore:
     tenant's key (tenant "a:b" + id "c" versus tenant "a" + id "b:c").
     """
 
-    def __init__(self, url: str, ttl_s: float, *, key_prefix: str = "once:resp:"):
+    def __init__(
+        self, url: str, ttl_s: float, *, key_prefix: str = "once:resp:", timeout_s: float = 5.0
+    ):
         self.ttl_s = _check_ttl(ttl_s)
         self.key_prefix = key_prefix
-        self._client = aioredis.from_url(url)  # connects lazily, on the first command
+        # Connects lazily, on the first command; a Redis that stops answering costs each
+        # call `timeout_s`, then ResponseStoreUnavailableError.
+        self._client = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
 
     def _key(self, tenant: str, response_id: str) -> str:
         return f"{self.key_prefix}{quote(tenant, safe='')}:{response_id}"
@@ -291,10 +297,13 @@ class RedisResponseStore:
         await self._client.aclose()
 
 
-def open_store(spec: str, ttl_s: float, *, max_bytes: int = 0) -> ResponseStore:
+def open_store(
+    spec: str, ttl_s: float, *, max_bytes: int = 0, redis_timeout_s: float = 5.0
+) -> ResponseStore:
     """ "memory", "sqlite:///relative.db" or "sqlite:////absolute.db" (SQLAlchemy's form),
     a plain path ending in .db/.sqlite/.sqlite3, or "redis://host:port/db" (also rediss://,
-    unix://). `max_bytes` caps a SQLite file (0: no cap)."""
+    unix://). `max_bytes` caps a SQLite file (0: no cap); `redis_timeout_s` bounds each Redis
+    call."""
     cap = max_bytes or None
     if spec in ("memory", "memory://"):
         return MemoryResponseStore(ttl_s)
@@ -304,7 +313,7 @@ def open_store(spec: str, ttl_s: float, *, max_bytes: int = 0) -> ResponseStore:
             raise ValueError(f"response store spec {spec!r} names no file")
         return SQLiteResponseStore(path, ttl_s, max_bytes=cap)
     if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisResponseStore(spec, ttl_s)
+        return RedisResponseStore(spec, ttl_s, timeout_s=redis_timeout_s)
     if "://" not in spec and spec.endswith((".db", ".sqlite", ".sqlite3")):
         return SQLiteResponseStore(spec, ttl_s, max_bytes=cap)
     raise ValueError(

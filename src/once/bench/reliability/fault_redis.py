@@ -9,9 +9,12 @@ the gateway goes on; Redis comes back on the same port and file. What must hold:
   (`store: false`, `once_store_error`, the store-failure counter); the rate limits let
   requests through (the documented fallback); reading a stored response or continuing
   one over HTTP is a clear 503 `response_store_unavailable`; a WebSocket session goes on
-  from its connection's own state; nothing waits longer than the client timeouts;
+  from its connection's own state;
 - once it is back: every response stored before is found, the HTTP chain continues,
-  new responses are stored again.
+  new responses are stored again;
+- Redis frozen (SIGSTOP: connected, silent): a response costs the gateway's Redis
+  timeouts (`redis_timeout_s`, the rate limits' and the store's), then streams whole,
+  not stored; nothing hangs, and what was stored is there once Redis thaws.
 """
 
 import asyncio
@@ -45,6 +48,7 @@ from once.gateway.testing import DEFAULT_MODEL, serve_gateway
 API_KEY = "sk-faults"
 REQUEST_TIMEOUT_S = 30.0  # hang guard of every request
 REDIS_START_TIMEOUT_S = 10.0
+REDIS_TIMEOUT_S = 0.5  # the gateway's per-call bound, for the frozen Redis
 
 
 class RedisServer:
@@ -83,8 +87,14 @@ class RedisServer:
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a frozen one would not die either
             self.process.send_signal(signal.SIGKILL)
             self.process.wait(10)
+
+    def freeze(self, frozen: bool = True) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung Redis)."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
 
 
 @contextlib.asynccontextmanager
@@ -119,6 +129,7 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
             store=redis.url,
             rate_limit_storage=redis.url,
             api_keys_file=str(_keys_file(folder)),
+            redis_timeout_s=REDIS_TIMEOUT_S,
             verify_every=1,
         )
         async with (
@@ -160,6 +171,12 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
             found = [await http.get(f"/v1/responses/{r['id']}") for r in stored]
             back_continue = await respond("continue once back", stored[-1]["id"])
             back_get = await http.get(f"/v1/responses/{back_continue['id']}")
+            redis.freeze()
+            started = time.perf_counter()
+            frozen_new = await respond("while frozen")
+            frozen_s = time.perf_counter() - started
+            redis.freeze(False)
+            thawed_get = await http.get(f"/v1/responses/{back_continue['id']}")
             metrics = gateway.metrics
             store_failures = metrics.value(metrics.store_failures)
 
@@ -175,7 +192,7 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
         "it says it was not stored": down_new.get("store") is False
         and store_error.get("code") == "response_store_unavailable",
         "the rate limits let it through": down_new.get("status") != 429,
-        "the store failures are counted": store_failures == 2,
+        "the store failures are counted": store_failures == 3,
         "the WebSocket session goes on from its connection": ws_down.get("status") == "completed"
         and websocket.stats.incremental_calls == 1,
         "continuing over HTTP while down is a clear 503": down_continue.get("status") == 503
@@ -184,6 +201,9 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
         and get_error == "response_store_unavailable",
         "the chain continues once Redis is back": back_continue.get("status") == "completed",
         "new responses are stored once it is back": back_get.status_code == 200,
+        "a frozen Redis costs timeouts, not a hang": frozen_new.get("status") == "completed"
+        and frozen_new.get("store") is False,
+        "what was stored is there once it thaws": thawed_get.status_code == 200,
     }
     return FaultResult(
         "redis_restarted",
@@ -195,6 +215,8 @@ async def redis_stopped_and_restarted(context: FaultContext) -> FaultResult:
             "stored_before": len(stored),
             "found_after": len(stored) - lost,
             "seconds_for_four_requests_while_down": round(down_s, 3),
+            "redis_timeout_s": REDIS_TIMEOUT_S,
+            "seconds_for_a_request_while_frozen": round(frozen_s, 3),
             "store_failures": store_failures,
             "websocket_incremental_calls_while_down": websocket.stats.incremental_calls,
         },

@@ -1,6 +1,6 @@
 """A replica killed mid-stream behind the router.
 
-Two `once engine` processes (scripted: forced outputs, 0.5 s to the first token, 20 ms a
+Two `once engine` processes (scripted: forced outputs, 0.5 s to the first token, 50 ms a
 token after) behind a round-robin `Router`. Four sessions stream; once each has tokens,
 two more are sent, and the replica serving the last of them is SIGKILLed while that
 request still waits for its first token. What must hold:
@@ -25,7 +25,7 @@ from once.router.router import Router, RouterConfig
 
 NUM_OUTPUT_TOKENS = 40
 PROMPT = tuple(range(1, 65))
-REPLICA_ARGS = ["replica", "--ttft-s", "0.5", "--token-latency-s", "0.02"]
+REPLICA_ARGS = ["replica", "--ttft-s", "0.5", "--token-latency-s", "0.05"]
 WAIT_S = 30.0  # hang guard for each wait on the streams
 
 
