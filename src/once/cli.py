@@ -17,6 +17,7 @@ def _engine_config(args):
             kv_cache_gib=args.kv_cache_gib,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_waiting=args.max_num_waiting,
             enable_prefix_caching=False if args.no_prefix_caching else None,
             num_threads=args.threads,
             slowdown=args.slowdown,
@@ -52,6 +53,9 @@ def _add_engine_flags(parser):
     parser.add_argument("--kv-cache-gib", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--max-num-waiting", type=int, default=None, help="queued requests before 503 (0: any)"
+    )
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument(

@@ -380,3 +380,27 @@ def test_open_store_rejects_unknown_specs(spec):
 def test_ttl_must_be_positive(ttl_s):
     with pytest.raises(ValueError, match="ttl_s"):
         MemoryResponseStore(ttl_s)
+
+
+async def test_a_capped_sqlite_store_refuses_puts_when_full_and_keeps_what_it_has(tmp_path):
+    from once.gateway.store import ResponseStoreUnavailableError
+
+    store = open_store(f"sqlite:///{tmp_path / 'capped.db'}", ttl_s=60, max_bytes=40_000)
+    big = {"id": "x", "text": "y" * 3000}
+    kept = []
+    with pytest.raises(ResponseStoreUnavailableError, match="full"):
+        for i in range(100):
+            record = make_record(f"resp_{i}", response=big)
+            await store.put(record)
+            kept.append(record)
+    assert 3 <= len(kept) < 100
+    assert await store.get(f"resp_{len(kept)}", "acme") is None  # nothing half-written
+    assert [await store.get(r.id, "acme") for r in kept] == kept
+    await store.delete(kept[0].id, "acme")
+    await store.put(make_record("resp_after", response=big))  # room again
+    await store.close()
+
+
+def test_a_store_cap_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="max_bytes"):
+        SQLiteResponseStore(tmp_path / "x.db", ttl_s=5, max_bytes=0)

@@ -21,6 +21,9 @@ class EngineConfig:
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    # Requests queued for a slot and KV blocks before new ones are refused with
+    # engine_overloaded (503, retriable); 0: the queue is unbounded.
+    max_num_waiting: int = 0
     enable_prefix_caching: bool = True
     num_threads: int = 0  # 0: leave torch's default
     seed: int = 0

@@ -38,6 +38,7 @@ from once.protocol.engine import (
 )
 from once.protocol.errors import (
     ContextLengthExceededError,
+    EngineOverloadedError,
     InvalidRequestError,
     OnceError,
 )
@@ -121,6 +122,7 @@ class LLMEngine:
             [
                 "num_requests_finished",
                 "num_requests_aborted",
+                "num_requests_rejected",  # refused: the waiting queue was full
                 "num_prompt_tokens",
                 "num_cached_prompt_tokens",
                 "num_computed_prompt_tokens",
@@ -180,6 +182,14 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
+            )
+        limit = self.config.max_num_waiting
+        if limit and len(self.scheduler.waiting) >= limit:
+            # A burst past what the KV cache and the queue hold: refused now, with a
+            # retriable error, rather than queued for longer than a client waits.
+            self.counters["num_requests_rejected"] += 1
+            raise EngineOverloadedError(
+                f"the engine has {limit} requests waiting for KV blocks; retry shortly"
             )
         state = Request(request, self.model_config.eos_token_ids, self.max_model_len)
         constraint = request.sampling.constraint

@@ -15,7 +15,8 @@ Endpoints (all JSON unless noted):
                         and it raises an OnceError, that error (EngineDeadError: 503)
     GET  /metrics       Prometheus text (per-app registry; see metrics.py)
 
-Errors before the first delta are a JSON body `{"error": err.to_dict()}` with err.status;
+Errors before the first delta are a JSON body `{"error": err.to_dict()}` with err.status
+(and `retry-after` when the engine is overloaded);
 malformed JSON or wrong field types are 400 `invalid_request`. An error after the stream
 started becomes a last delta with finish_reason "error" and the error dict. When the client
 disconnects mid-stream the request is aborted in the engine.
@@ -41,7 +42,7 @@ from once.protocol.engine import (
     SamplingParams,
     TokenDelta,
 )
-from once.protocol.errors import InvalidRequestError, OnceError
+from once.protocol.errors import EngineOverloadedError, InvalidRequestError, OnceError
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,14 @@ def parse_generate_request(body: bytes) -> GenerateRequest:
     return GenerateRequest.from_dict(data)
 
 
+OVERLOADED_RETRY_AFTER_S = 1  # an overloaded engine's queue moves in about a second
+
+
 def _error_response(err: OnceError) -> JSONResponse:
-    return JSONResponse({"error": err.to_dict()}, status_code=err.status)
+    headers = {"retry-after": str(OVERLOADED_RETRY_AFTER_S)}
+    if not isinstance(err, EngineOverloadedError):
+        headers = {}
+    return JSONResponse({"error": err.to_dict()}, status_code=err.status, headers=headers)
 
 
 class _EngineStream:

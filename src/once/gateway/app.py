@@ -1,9 +1,10 @@
 """The gateway's FastAPI app: its front ends around one response pipeline.
 
-Every request goes through the pipeline (pipeline.py), in this order: bounded body (413)
--> JSON parse -> schema validation with the SDK's types -> semantic validation (400 naming
-the param) -> preflight: API key (401), request rate limit (429 with retry-after) -> render
-and tokenize -> token rate limit -> dispatch, with the input check started alongside.
+Every request goes through the pipeline (pipeline.py), in this order: bounded body (413,
+or 408 when it is too slow to arrive: slow_clients.py) -> JSON parse -> schema validation
+with the SDK's types -> semantic validation (400 naming the param) -> preflight: API key
+(401), request rate limit (429 with retry-after) -> render and tokenize -> token rate
+limit -> dispatch, with the input check started alongside.
 Every failure is an OpenAI-style error body with a code; nothing reaches a 500.
 """
 
@@ -30,6 +31,7 @@ from once.gateway.prefix_states import PrefixStates
 from once.gateway.programs import ProgrammaticToolCalling
 from once.gateway.ratelimit import RateLimiter
 from once.gateway.responses_http import responses_routes
+from once.gateway.slow_clients import BodyDeadline
 from once.gateway.store import open_store
 from once.gateway.websocket import serve_connection
 from once.protocol.engine import EngineClient
@@ -51,6 +53,11 @@ ROUTING_ERRORS: dict[int, type[InvalidRequestError]] = {
 def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     app = FastAPI(title="once gateway", docs_url=None, redoc_url=None)
     app.state.gateway = pipeline
+    app.add_middleware(
+        BodyDeadline,
+        timeout_s=pipeline.body_timeout_s,
+        on_timeout=pipeline.metrics.client_timeouts.labels("body").inc,
+    )
 
     def error_for(request: Request, error: OnceError, headers=None) -> Response:
         # Each API's own error shape: Anthropic's under /v1/messages, OpenAI's elsewhere.
@@ -123,15 +130,22 @@ def create_gateway(
     return ResponsePipeline(
         engine,
         models,
-        open_store(config.store, config.store_ttl_s),
+        open_store(
+            config.store,
+            config.store_ttl_s,
+            max_bytes=config.store_max_bytes,
+            redis_timeout_s=config.redis_timeout_s,
+        ),
         GatewayMetrics(registry),
         CpuCostMeter(registry),
         keyring,
-        RateLimiter(config.rate_limit_storage),
+        RateLimiter(config.rate_limit_storage, redis_timeout_s=config.redis_timeout_s),
         verify_every=config.verify_every,
         stream_interval_s=config.stream_interval_s,
         max_body_bytes=config.max_body_bytes,
         websocket_max_age_s=config.websocket_max_age_s,
+        send_timeout_s=config.send_timeout_s,
+        body_timeout_s=config.body_timeout_s,
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
         hosted=default_hosted_tools() if hosted is None else hosted,

@@ -121,6 +121,9 @@ class ChatCompletionsEncoder:
             wire.append(usage)
         return [*wire, DONE]
 
+    def store_failed(self, wire: list[dict | str], error: dict) -> None:
+        return None  # this API's responses are never stored (store=False)
+
     def api_object(self) -> dict:
         """The `chat.completion` of a non-streaming request (after the final event)."""
         assert self.finished is not None

@@ -20,9 +20,16 @@ class GatewayConfig:
     default_max_output_tokens: int = 0
     api_keys_file: str | None = None  # None: no auth, every caller is tenant "default"
     rate_limit_storage: str = "memory://"  # or redis://host:port
+    redis_timeout_s: float = 5.0  # each call to a Redis (store or rate limits), then an error
     store: str = DEFAULT_STORE  # sqlite:///path.db | memory | redis://host:port/db
     store_ttl_s: float = 30 * 24 * 3600.0  # as long as OpenAI keeps stored responses
+    # A SQLite store's file size cap; past it, puts fail as on a full disk. 0: no cap.
+    store_max_bytes: int = 0
     websocket_max_age_s: float = 3600.0  # then websocket_connection_limit_reached
+    # A write to a client (SSE chunk, WebSocket frame) that does not complete in this long
+    # ends the response, its engine request aborted, and drops the connection.
+    send_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0  # to receive a whole request body, else 408
     verify_every: int = 32  # check 1 in N incremental prompts against a full render
     # Stateless clients' conversation states (prefix_states.py): at most this many, holding
     # at most stateless_tokens ids in all; 0 states: every stateless request renders in full.

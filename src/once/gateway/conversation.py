@@ -12,16 +12,24 @@ A failed verification appends `DIVERGED` to the state's render key: no request h
 key, so the chain's next request renders in full. Verification runs in the background:
 when it is still running at save time the state is saved at once and marked if it fails,
 so a client never waits for the check.
+
+A store that fails (a full or read-only disk, Redis down) does not fail the response:
+`save` keeps the state in the connection and the kept prefixes as usual and returns the
+error, for the pipeline to report; the store's own put is one statement, so nothing is
+half-written.
 """
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 
 from once.gateway.auth import Tenant
 from once.gateway.prefix_states import KeptState, PrefixStates
-from once.gateway.store import ResponseStore, StoredResponse
+from once.gateway.store import ResponseStore, ResponseStoreUnavailableError, StoredResponse
 from once.gateway.tokens import ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
+
+logger = logging.getLogger(__name__)
 
 DIVERGED = "!diverged"
 
@@ -126,7 +134,8 @@ class Conversations:
         turn: SavedTurn,
         connection: ConnectionCache | None,
         verification: asyncio.Task[bool] | None,
-    ) -> None:
+    ) -> ResponseStoreUnavailableError | None:
+        """Keep the turn; the store's error when it could not be stored."""
         state = turn.state
         if verification is not None and verification.done() and not verification.result():
             state.render_key += DIVERGED
@@ -138,7 +147,7 @@ class Conversations:
             connection.put(turn.response_id, state)
         for kept in turn.prefix_states:
             self.prefix_states.put(kept.key, kept.state, kept.boundaries)
-        record = None
+        record, store_error = None, None
         if turn.store:
             record = StoredResponse(
                 id=turn.response_id,
@@ -151,7 +160,10 @@ class Conversations:
                 prompt_token_ids=turn.prompt_token_ids,
                 output_token_ids=turn.output_token_ids,
             )
-            await self.store.put(record)
+            try:
+                await self.store.put(record)
+            except ResponseStoreUnavailableError as error:
+                record, store_error = None, error
         if verification is not None and not verification.done():
             keys = [kept.key for kept in turn.prefix_states]
             if turn.used_prefix_key is not None:
@@ -159,6 +171,7 @@ class Conversations:
             marker = asyncio.create_task(self._mark_if_diverged(verification, state, record, keys))
             self._markers.add(marker)
             marker.add_done_callback(self._markers.discard)
+        return store_error
 
     async def _mark_if_diverged(
         self,
@@ -174,7 +187,12 @@ class Conversations:
             self.prefix_states.discard(key)
         if record is not None:
             record.render_key += DIVERGED
-            await self.store.put(record)
+            try:
+                await self.store.put(record)
+            except ResponseStoreUnavailableError as error:
+                # The stored record keeps its unmarked key; the connection's state and
+                # the kept prefixes, marked above, are what continuations mostly use.
+                logger.warning("could not mark %s as diverged: %s", record.id, error)
 
     async def drain(self) -> None:
         while self._markers:

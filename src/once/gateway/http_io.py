@@ -7,11 +7,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from once.protocol.errors import (
+    EngineOverloadedError,
     InvalidJSONError,
     InvalidRequestError,
     OnceError,
     PayloadTooLargeError,
     RateLimitError,
+    RequestTimeoutError,
 )
 
 # Names the request's hosted tools this server has no backend for, left out of the prompt.
@@ -28,8 +30,11 @@ def error_response(error: OnceError, headers: dict[str, str] | None = None) -> J
     headers = dict(headers or {})
     if isinstance(error, RateLimitError):
         headers["retry-after"] = str(max(1, round(error.retry_after_s)))
-    if error.status >= 500:
-        headers["connection"] = "close"  # the client's next request opens a fresh one
+    elif isinstance(error, EngineOverloadedError):
+        headers["retry-after"] = "1"  # the engine refused it before any token: retry soon
+    if error.status >= 500 or isinstance(error, RequestTimeoutError):
+        # The client's next request opens a fresh one (a slow body is left unread).
+        headers["connection"] = "close"
     return JSONResponse({"error": error.to_dict()}, status_code=error.status, headers=headers)
 
 

@@ -129,6 +129,9 @@ class MessagesEncoder:
             "usage": messages_usage(usage),
         }
 
+    def store_failed(self, wire: list[dict], error: dict) -> None:
+        return None  # this API's responses are never stored (store=False)
+
     def api_object(self) -> dict:
         """The message of a non-streaming request (after the final event)."""
         assert self.finished is not None

@@ -65,6 +65,14 @@ class GatewayMetrics:
         )
         self.content_filtered = counter("content_filtered", "Responses cut by the input check")
         self.failed = counter("failed", "Responses that failed in the engine")
+        self.store_failures = counter(
+            "store_failures", "Responses streamed whole that the response store failed to keep"
+        )
+        self.client_timeouts = counter(
+            "client_timeouts",
+            "Clients cut off: a body too slow to arrive or a write not taken in time",
+            ("kind",),  # body | send
+        )
         self.received_bytes = counter(
             "received_bytes", "Request payload bytes by transport", ("transport",)
         )

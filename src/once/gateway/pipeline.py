@@ -7,7 +7,9 @@
     stream   dispatch to the EngineClient with the input check beside it -> detokenize,
              parse tool calls -> neutral output events -> the API's encoder -> framing;
              the conversation is saved before the final event goes out, since a client
-             continues the moment it sees it
+             continues the moment it sees it; a store that fails does not fail the
+             response: the failure is logged, counted (once_gateway_store_failures) and
+             written into the final event (the encoder's `store_failed`)
 
 Front ends (HTTP JSON, SSE, WebSocket) only decode what arrived and write what `stream`
 yields. The in-flight gauge, the request counter, the CPU meter and the time the gateway
@@ -22,6 +24,7 @@ durations, so it cannot go below zero.
 """
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -49,6 +52,8 @@ from once.protocol.engine import EngineClient, SamplingParams
 from once.protocol.errors import OnceError
 from once.protocol.responses import ResponsesRequest
 
+logger = logging.getLogger(__name__)
+
 
 class EventEncoder(Protocol):
     """An API's side of a response: neutral output events in, its wire events out."""
@@ -56,6 +61,10 @@ class EventEncoder(Protocol):
     def encode(self, events: EventBatch) -> list[Any]: ...
 
     def api_object(self) -> dict: ...  # the finished response as the API returns it
+
+    def store_failed(self, wire: list[Any], error: dict) -> None:
+        """The response was not stored: say so in `wire` (the final batch, encoded but not
+        framed yet) and in `api_object`."""
 
 
 Frame = Callable[[list[Any]], object]  # a batch of wire events -> what the transport writes
@@ -97,6 +106,8 @@ class ResponsePipeline:
         stream_interval_s: float = 0.002,
         max_body_bytes: int = 32 * 1024 * 1024,
         websocket_max_age_s: float = 3600.0,
+        send_timeout_s: float = 30.0,
+        body_timeout_s: float = 30.0,
         aliases: ModelAliases | None = None,
         prefix_states: PrefixStates | None = None,
         hosted: HostedTools | None = None,
@@ -115,6 +126,8 @@ class ResponsePipeline:
         self.stream_interval_s = stream_interval_s
         self.max_body_bytes = max_body_bytes
         self.websocket_max_age_s = websocket_max_age_s
+        self.send_timeout_s = send_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.conversations = Conversations(store, prefix_states)
         self.preparer = PromptPreparer(
             self.conversations, metrics, self.meter.record, verify_every=verify_every
@@ -209,7 +222,9 @@ class ResponsePipeline:
                 wire = encoder.encode(events)
                 if final is not None:
                     # Saved before the final event goes out: a client continues at once.
-                    await self._save(prepared, final, encoder)
+                    store_error = await self._save(prepared, final, encoder)
+                    if store_error is not None:
+                        self._report_store_failure(prepared, store_error, encoder, wire)
                 framed = frame(wire)
                 t1 = time.perf_counter()
                 prepared.cpu_s += t1 - t0
@@ -320,9 +335,19 @@ class ResponsePipeline:
             constraint=output_constraint(request, prepared.items or prepared.new_items),
         )
 
-    async def _save(self, prepared: Prepared, final: FinalSave, encoder: EventEncoder) -> None:
+    def _report_store_failure(
+        self, prepared: Prepared, error: OnceError, encoder: EventEncoder, wire: list[Any]
+    ) -> None:
+        self.metrics.store_failures.inc()
+        logger.warning("response %s was not stored: %s", prepared.response_id, error.message)
+        encoder.store_failed(wire, {"code": error.code, "message": error.message})
+
+    async def _save(
+        self, prepared: Prepared, final: FinalSave, encoder: EventEncoder
+    ) -> OnceError | None:
+        """Keep the conversation; the store's error when the response could not be stored."""
         if not final.save:
-            return
+            return None
         built, request = prepared.built, prepared.request
         items = None
         if prepared.items is not None:
@@ -346,7 +371,7 @@ class ResponsePipeline:
             prefix_states=self._prefix_states(prepared, final),
             used_prefix_key=prepared.used_prefix_key,
         )
-        await self.conversations.save(turn, prepared.connection, final.verification)
+        return await self.conversations.save(turn, prepared.connection, final.verification)
 
     def _prefix_states(self, prepared: Prepared, final: FinalSave) -> list[KeptState]:
         """A stateless request's two states (prefix_states.py): its prompt's context, and

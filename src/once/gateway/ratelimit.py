@@ -56,12 +56,20 @@ class RateLimiter:
         strategy: str = "moving-window",
         *,
         token_strategy: str = "sliding-window-counter",
+        redis_timeout_s: float = 5.0,
     ):
         for name in (strategy, token_strategy):
             if name not in STRATEGIES:
                 raise ValueError(f"unknown rate limit strategy {name!r}; one of {list(STRATEGIES)}")
         uri = _async_storage_uri(storage_uri)
-        options = {"implementation": "redispy"} if storage_uri.startswith(_REDIS_SCHEMES) else {}
+        options: dict = {}
+        if storage_uri.startswith(_REDIS_SCHEMES):
+            # A Redis that stops answering costs a request `redis_timeout_s`, not a hang.
+            timeouts = {
+                "socket_timeout": redis_timeout_s,
+                "socket_connect_timeout": redis_timeout_s,
+            }
+            options = {"implementation": "redispy", **timeouts}
         try:
             storage = storage_from_string(uri, wrap_exceptions=True, **options)
         except ConfigurationError as exc:

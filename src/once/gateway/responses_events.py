@@ -27,6 +27,8 @@ from once.gateway.output import (
 from once.protocol.responses import ResponsesRequest
 
 IGNORED_TOOLS_FIELD = "once_ignored_tools"
+# A response the store failed to keep has `store: false` and the store's error here.
+STORE_ERROR_FIELD = "once_store_error"
 # Items whose status the SDK types as final only: added as they are done.
 FINAL_STATUS_ONLY = ("program_output",)
 
@@ -86,6 +88,12 @@ class ResponsesEncoder:
     def api_object(self) -> dict:
         """The response as GET /v1/responses/{id} and a non-streaming reply return it."""
         return self.snapshot()
+
+    def store_failed(self, wire: list[dict], error: dict) -> None:
+        # The terminal event carries a snapshot: it is marked as well as the response.
+        for target in [self.response] + [e["response"] for e in wire if "response" in e]:
+            target["store"] = False
+            target[STORE_ERROR_FIELD] = error
 
     def encode(self, events: list[OutputEvent]) -> list[dict]:
         wire: list[dict] = []

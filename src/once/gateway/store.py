@@ -148,12 +148,23 @@ class SQLiteResponseStore:
     owns the connection: calls are serialized without a lock and the event loop never waits
     on disk. Records are encoded on the caller's loop (a snapshot of lists it may keep
     mutating) and decoded on the worker. Expired rows are hidden by every query at once and
-    deleted at most every `purge_interval_s`, piggybacking on a put."""
+    deleted at most every `purge_interval_s`, piggybacking on a put. `max_bytes` caps the
+    file (SQLite's max_page_count): past it a put fails as on a full disk (SQLITE_FULL),
+    each put being one statement that is rolled back whole."""
 
     def __init__(
-        self, path: str | Path, ttl_s: float, *, purge_interval_s=60.0, clock: Clock = time.time
+        self,
+        path: str | Path,
+        ttl_s: float,
+        *,
+        purge_interval_s=60.0,
+        clock: Clock = time.time,
+        max_bytes: int | None = None,
     ):
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1 or None, got {max_bytes}")
         self.path = Path(path)
+        self.max_bytes = max_bytes
         self.ttl_s = _check_ttl(ttl_s)
         self.purge_interval_s = purge_interval_s
         self._clock = clock
@@ -179,6 +190,9 @@ class SQLiteResponseStore:
                 raise sqlite3.DatabaseError(f"unknown schema version {version}")
             conn.executescript(_SQLITE_SCHEMA)
             conn.execute(f"PRAGMA user_version={_SQLITE_SCHEMA_VERSION}")
+            if self.max_bytes is not None:
+                page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+                conn.execute(f"PRAGMA max_page_count={max(1, self.max_bytes // page_size)}")
         except BaseException:
             conn.close()
             raise
@@ -242,10 +256,16 @@ class RedisResponseStore:
     tenant's key (tenant "a:b" + id "c" versus tenant "a" + id "b:c").
     """
 
-    def __init__(self, url: str, ttl_s: float, *, key_prefix: str = "once:resp:"):
+    def __init__(
+        self, url: str, ttl_s: float, *, key_prefix: str = "once:resp:", timeout_s: float = 5.0
+    ):
         self.ttl_s = _check_ttl(ttl_s)
         self.key_prefix = key_prefix
-        self._client = aioredis.from_url(url)  # connects lazily, on the first command
+        # Connects lazily, on the first command; a Redis that stops answering costs each
+        # call `timeout_s`, then ResponseStoreUnavailableError.
+        self._client = aioredis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
 
     def _key(self, tenant: str, response_id: str) -> str:
         return f"{self.key_prefix}{quote(tenant, safe='')}:{response_id}"
@@ -277,21 +297,25 @@ class RedisResponseStore:
         await self._client.aclose()
 
 
-def open_store(spec: str, ttl_s: float) -> ResponseStore:
+def open_store(
+    spec: str, ttl_s: float, *, max_bytes: int = 0, redis_timeout_s: float = 5.0
+) -> ResponseStore:
     """ "memory", "sqlite:///relative.db" or "sqlite:////absolute.db" (SQLAlchemy's form),
     a plain path ending in .db/.sqlite/.sqlite3, or "redis://host:port/db" (also rediss://,
-    unix://)."""
+    unix://). `max_bytes` caps a SQLite file (0: no cap); `redis_timeout_s` bounds each Redis
+    call."""
+    cap = max_bytes or None
     if spec in ("memory", "memory://"):
         return MemoryResponseStore(ttl_s)
     if spec.startswith("sqlite:///"):
         path = spec.removeprefix("sqlite:///")
         if not path:
             raise ValueError(f"response store spec {spec!r} names no file")
-        return SQLiteResponseStore(path, ttl_s)
+        return SQLiteResponseStore(path, ttl_s, max_bytes=cap)
     if spec.startswith(("redis://", "rediss://", "unix://")):
-        return RedisResponseStore(spec, ttl_s)
+        return RedisResponseStore(spec, ttl_s, timeout_s=redis_timeout_s)
     if "://" not in spec and spec.endswith((".db", ".sqlite", ".sqlite3")):
-        return SQLiteResponseStore(spec, ttl_s)
+        return SQLiteResponseStore(spec, ttl_s, max_bytes=cap)
     raise ValueError(
         f"unknown response store {spec!r}: expected 'memory', 'sqlite:///path.db', a path "
         "ending in .db, or 'redis://host:port/db'"

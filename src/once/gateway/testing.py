@@ -47,13 +47,24 @@ def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:
 
 
 @contextlib.asynccontextmanager
-async def serve_app(app, *, tls=None, force_exit: bool = False, **uvicorn_options):
+async def serve_app(
+    app,
+    *,
+    tls=None,
+    force_exit: bool = False,
+    send_buffer_bytes: int | None = None,
+    **uvicorn_options,
+):
     """Run an ASGI app on 127.0.0.1 with an OS-chosen port; yield (base URL, server).
 
     tls: (certfile, keyfile) for HTTPS. force_exit skips waiting for open streams at
-    shutdown (tests that kill a server mid-stream)."""
+    shutdown (tests that kill a server mid-stream). send_buffer_bytes: the kernel send
+    buffer of every accepted connection (they inherit the listener's), for tests of slow
+    readers."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(
@@ -89,6 +100,7 @@ async def serve_gateway(
     safety=None,
     tls=None,
     hosted: HostedTools | None = None,
+    send_buffer_bytes: int | None = None,
 ):
     """Start the gateway on 127.0.0.1; yield (base_url, gateway). tls: (certfile, keyfile)."""
     config = config or GatewayConfig(store="memory", verify_every=1)
@@ -96,7 +108,10 @@ async def serve_gateway(
     gateway = create_gateway(config, engine, {runtime.name: model}, hosted=hosted)
     app = build_gateway_app(gateway)
     try:
-        async with serve_app(app, tls=tls, ws_max_size=config.max_body_bytes) as (url, _):
+        serving = serve_app(
+            app, tls=tls, send_buffer_bytes=send_buffer_bytes, ws_max_size=config.max_body_bytes
+        )
+        async with serving as (url, _):
             yield url, gateway
     finally:
         await gateway.close()

@@ -14,7 +14,9 @@ sampling, ...) from that response's request. So an incremental request is exactl
 
 Errors are frames `{"type": "error", "status": 400, "error": {type, code, message,
 param}}`; bad frames never close the connection. It closes itself, with
-`websocket_connection_limit_reached`, at the first request after its age limit.
+`websocket_connection_limit_reached`, at the first request after its age limit, and with
+code 1008 when a frame is not taken within `send_timeout_s` (a client that stopped
+reading): the response's engine request is aborted on the way out.
 """
 
 import asyncio
@@ -61,6 +63,10 @@ _INHERITED_FROM_STORED = (
 )
 
 
+class SlowReaderError(Exception):
+    """A frame was not taken within the send timeout."""
+
+
 def error_frame(error: OnceError, stream_id: str | None = None) -> dict:
     frame = {"type": "error", "status": error.status, "error": error.to_dict()}
     if stream_id is not None:
@@ -88,7 +94,19 @@ class _Connection:
     async def send_texts(self, texts: list[str]) -> None:
         async with self.send_lock:
             for text in texts:
-                await self.socket.send_text(text)
+                try:
+                    async with asyncio.timeout(self.pipeline.send_timeout_s):
+                        await self.socket.send_text(text)
+                except TimeoutError:
+                    raise SlowReaderError from None
+
+    async def drop_slow_reader(self) -> None:
+        self.pipeline.metrics.client_timeouts.labels("send").inc()
+        logger.warning("a WebSocket client took no frame for %.3g s", self.pipeline.send_timeout_s)
+        # The close frame may not get through either: the server's close timeout then
+        # aborts the TCP connection.
+        with contextlib.suppress(WebSocketDisconnect, ConnectionClosed, RuntimeError):
+            await self.socket.close(code=1008)
 
     async def serve(self) -> None:
         pipeline = self.pipeline
@@ -172,6 +190,8 @@ class _Connection:
             await self.send(error_frame(e, stream_id))
         except (WebSocketDisconnect, ConnectionClosed, RuntimeError):
             pass  # the client went away mid-stream; the engine request is aborted
+        except SlowReaderError:
+            await self.drop_slow_reader()  # the stream is closed: its engine request aborted
         except Exception as e:  # noqa: BLE001 - a bug; the client still gets its answer
             logger.exception("unexpected error answering a response.create")
             failure = OnceError(f"internal error: {type(e).__name__}")

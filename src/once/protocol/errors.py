@@ -128,6 +128,12 @@ class ContentFilterError(InvalidRequestError):
     code = "content_filter"
 
 
+class RequestTimeoutError(InvalidRequestError):
+    # The client sent its request body too slowly (a slowloris).
+    code = "request_timeout"
+    status = 408
+
+
 ERRORS_BY_CODE = {
     cls.code: cls
     for cls in (
@@ -151,6 +157,7 @@ ERRORS_BY_CODE = {
         ResponseInFlightError,
         ConnectionLimitError,
         ContentFilterError,
+        RequestTimeoutError,
     )
 }
 

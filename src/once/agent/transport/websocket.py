@@ -7,9 +7,10 @@ what a harness needs on top:
   request extends the previous one, else the full request.
 - The recovery ladder: `previous_response_not_found` -> send the full input again on
   the same connection; the connection is replaced between turns before the server's age
-  limit; when the connection fails before any event of a response arrived, the same
-  full request goes over HTTP+SSE instead; after a partial response nothing is replayed
-  (the turn fails with `TransportError`, so no output is ever duplicated).
+  limit; when the connection fails before any event of a response arrived (the server
+  restarted, the network dropped it), the full request goes over a new connection, and
+  when that fails too before any event, over HTTP+SSE; after a partial response nothing
+  is replayed (the turn fails with `TransportError`, so no output is ever duplicated).
 
 Where the SDK does not fit: its connection manager reconnects only with an
 `on_reconnecting` hook and would then resend queued frames, which could replay a
@@ -61,18 +62,31 @@ class WebSocketTransport:
         try:
             response = await self._over_websocket(payload, request, on_event)
         except TransportError as e:
-            if e.events_received or e.from_server or not self.http_fallback:
+            if e.events_received or e.from_server:
                 raise
-            self.stats.http_fallbacks += 1
-            self._count(request)
-            await self._drop_connection()
-            response = await stream_over_http(self.client, request, on_event)
+            response = await self._recover(request, on_event)
         if response.get("status") != "failed":
             # A failed response is not stored: a retry continues from the last good one.
             self._previous = request
             self._previous_output = response.get("output") or []
             self._previous_id = response["id"]
         return response
+
+    async def _recover(self, request: dict, on_event: EventCallback | None) -> dict:
+        """The connection failed before any event: a new one and the full request (the
+        server may have restarted, losing what the old connection held); when that fails
+        before any event too, HTTP+SSE."""
+        self.stats.reconnects += 1
+        await self._drop_connection()
+        try:
+            return await self._over_websocket(request, request, on_event)
+        except TransportError as e:
+            if e.events_received or e.from_server or not self.http_fallback:
+                raise
+        self.stats.http_fallbacks += 1
+        self._count(request)
+        await self._drop_connection()
+        return await stream_over_http(self.client, request, on_event)
 
     async def _over_websocket(
         self, payload: dict, request: dict, on_event: EventCallback | None
