@@ -271,6 +271,8 @@ def cmd_bench(args, rest) -> int:
         from once.bench.clients import main as bench_main
     elif args.target == "structured":
         from once.bench.engine_bench.structured import main as bench_main
+    elif args.target == "reliability":
+        from once.bench.reliability.cli import main as bench_main
     else:
         from once.bench.gateway_bench import main as bench_main
     return bench_main(rest)
@@ -332,7 +334,8 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument(
-        "target", choices=["engine", "gateway", "agent", "spec", "clients", "structured"]
+        "target",
+        choices=["engine", "gateway", "agent", "spec", "clients", "structured", "reliability"],
     )
 
     args, rest = parser.parse_known_args(argv)

@@ -211,13 +211,17 @@ class PromptPreparer:
         self, request: ResponsesRequest, tenant: Tenant, model: ModelRuntime
     ) -> int:
         """The prompt's length in tokens, as a full render gives it (no engine, no state
-        kept): what the APIs' token counters answer."""
+        kept): what the APIs' token counters answer. A prompt its characters prove longer
+        than the context is a `context_length_exceeded` error instead."""
         state = None
         if request.previous_response_id:
             state = await self.conversations.previous_state(
                 request.previous_response_id, tenant, None
             )
         items = await self._all_items(state, request, tenant)
+        # A prompt that can never be served is refused, not counted: counting it would
+        # tokenize all of it (a 20 MB body: seconds of CPU).
+        _check_bound(model, None, items, request)
         key = render_key(model.name, request.instructions, request.tools)
         built = await self._run_cpu(
             _num_chars(items), model.builder.full, key, request.instructions, request.tools, items
