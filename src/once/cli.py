@@ -189,8 +189,9 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from once.gateway.app import build_gateway_app
-    from once.heap import freeze_startup_heap
+    from once.heap import freeze_startup_heap, keep_freed_memory
 
+    keep_freed_memory()  # large bodies reuse memory instead of faulting it in each time
     config = _gateway_config(args)
     gateway = build_gateway(config, _engine_config(args))
     scheme = "https" if config.tls_certfile else "http"

@@ -20,7 +20,7 @@ import uvicorn
 from once.bench.gateway_bench.scripted_server import MODEL, output_ids
 from once.engine.loader import resolve_model_path
 from once.engine.scripted import ScriptedEngine
-from once.heap import freeze_startup_heap
+from once.heap import freeze_startup_heap, keep_freed_memory
 
 # The engine's prefix cache: enough blocks for every session of a load run to hit its
 # prefix, bounded so the engine's memory is flat once it is full.
@@ -55,8 +55,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--token-rate", type=float, default=50.0, help="tokens/s a response")
     parser.add_argument("--output-tokens", type=int, default=32)
-    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--max-model-len", type=int, default=8192, help="SmolLM2's: 8192")
     args = parser.parse_args()
+    keep_freed_memory()  # as `once serve` does
     app, config = build_app(args.token_rate, args.output_tokens, args.max_model_len)
     signal.signal(signal.SIGUSR1, lambda signum, frame: gc.collect())
     freeze_startup_heap()  # as `once serve` does

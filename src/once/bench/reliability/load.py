@@ -48,6 +48,9 @@ from once.bench.reliability.process import GatewayProcess
 from once.bench.reliability.replay_frames import PREVIOUS, ReplayScript, replay_scripts
 
 CALL_TIMEOUT_S = 120.0  # a hang guard, far above any call's time
+# The context the load's gateway serves: the recorded sessions' calls run past SmolLM2's
+# 8192 tokens, and the engine is scripted, so any context costs the same.
+LOAD_CONTEXT = 32768
 TERMINAL = ("response.completed", "response.incomplete", "response.failed", "error")
 
 
@@ -208,7 +211,10 @@ def run_load(
     if sessions < 1 or seconds <= 0 or num_checkpoints < 1:
         raise ValueError("sessions, seconds and num_checkpoints must be positive")
     scripts = replay_scripts(calls_per_session=calls_per_session)
-    with GatewayProcess(token_rate=token_rate, output_tokens=output_tokens) as gateway:
+    gateway = GatewayProcess(
+        token_rate=token_rate, output_tokens=output_tokens, max_model_len=LOAD_CONTEXT
+    )
+    with gateway:
         client = LoadClient(gateway.url, scripts, think_s, seed)
         result = asyncio.run(_measure(gateway, client, sessions, seconds, num_checkpoints))
         num_log_lines, log_tail = gateway.num_log_lines(), gateway.log_tail()

@@ -20,7 +20,9 @@ _SRC = str(Path(__file__).resolve().parents[3])  # the src folder this package i
 
 
 class GatewayProcess:
-    def __init__(self, *, token_rate: float = 50.0, output_tokens: int = 32):
+    def __init__(
+        self, *, token_rate: float = 50.0, output_tokens: int = 32, max_model_len: int = 8192
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.TemporaryFile()
@@ -28,7 +30,7 @@ class GatewayProcess:
         self.server = subprocess.Popen(
             [sys.executable, "-m", "once.bench.reliability.gateway_server",
              "--port", str(self.port), "--token-rate", str(token_rate),
-             "--output-tokens", str(output_tokens)],
+             "--output-tokens", str(output_tokens), "--max-model-len", str(max_model_len)],
             stdout=subprocess.DEVNULL, stderr=self._log, env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
         self.pid = self.server.pid

@@ -2,7 +2,9 @@
 
 A prompt of 1, 5 and 20 MB of text goes to every door a prompt has: the Responses API
 over HTTP and over WebSocket, Chat Completions, Anthropic Messages, and the two token
-counters (`/v1/responses/input_tokens`, `/v1/messages/count_tokens`). Each must come back
+counters (`/v1/responses/input_tokens`, `/v1/messages/count_tokens`), with the served
+model's context (SmolLM2: 8192 tokens; its longest token is 81 characters, so the bound
+proves anything above ~660k characters too long). Each must come back
 `context_length_exceeded` (a 400, or an error frame) without being tokenized: the
 gateway's character bound (prepare.py) proves it too long first. The cost is the CPU
 time of the gateway process over the request, all its threads (process.py: schedstat,
