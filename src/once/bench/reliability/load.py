@@ -18,12 +18,13 @@ Figures:
 - memory: VmRSS of the gateway process at gc-stable points (SIGUSR1 makes it collect
   first): at the start (after the warm-up, no session open), at checkpoints during the
   run, and at the end (every session closed). Growth per 1k sessions is the least-squares
-  slope of the checkpoints' RSS against the sessions completed by then, over the run's
-  last three quarters: about as many sessions are open at every checkpoint, so what they
-  hold is a constant the slope ignores, while what finished sessions leave behind adds
-  up; the first quarter is left out while open sessions are still growing towards their
-  steady size; a slope over many points does not swing with one noisy reading the way
-  end minus start would.
+  slope of the checkpoints' RSS against the sessions completed by then, over the
+  checkpoints taken once `sessions` sessions have completed (every slot has, on average,
+  been through one): about as many sessions are open at each of them, and they have
+  reached their steady size, so what open sessions hold is a constant the slope ignores,
+  while what finished sessions leave behind adds up. Before that, open sessions (and the
+  heap malloc keeps for them) are still growing. A slope over many points does not swing
+  with one noisy reading the way end minus start would.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ async def _measure(
     rss_end = await gc_stable_rss_mb(gateway)
     added_after = await asyncio.to_thread(scrape_histogram, url, ADDED_HISTOGRAM)
     added = {bound: added_after[bound] - added_before.get(bound, 0.0) for bound in added_after}
-    steady = [point for point in checkpoints if point["t_s"] >= seconds / 4]
+    steady = [point for point in checkpoints if point["completed_sessions"] >= sessions]
     slope = growth_slope_mb_per_1k(steady)
     latencies = client.latencies_s or [float("nan")]
     return {
