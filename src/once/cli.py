@@ -193,8 +193,9 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from once.gateway.app import build_gateway_app
-    from once.heap import freeze_startup_heap
+    from once.heap import freeze_startup_heap, keep_freed_memory
 
+    keep_freed_memory()  # large bodies reuse memory instead of faulting it in each time
     config = _gateway_config(args)
     gateway = build_gateway(config, _engine_config(args))
     scheme = "https" if config.tls_certfile else "http"
@@ -275,6 +276,8 @@ def cmd_bench(args, rest) -> int:
         from once.bench.clients import main as bench_main
     elif args.target == "structured":
         from once.bench.engine_bench.structured import main as bench_main
+    elif args.target == "reliability":
+        from once.bench.reliability.cli import main as bench_main
     else:
         from once.bench.gateway_bench import main as bench_main
     return bench_main(rest)
@@ -336,7 +339,8 @@ def main(argv=None) -> int:
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument(
-        "target", choices=["engine", "gateway", "agent", "spec", "clients", "structured"]
+        "target",
+        choices=["engine", "gateway", "agent", "spec", "clients", "structured", "reliability"],
     )
 
     args, rest = parser.parse_known_args(argv)

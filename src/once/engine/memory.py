@@ -8,8 +8,8 @@ populate them take huge pages). Elsewhere, or on failure, the tensor is simply n
 
 The step's transient tensors (activations, logits) are the other half: glibc serves each
 one above its mmap threshold with a fresh mapping and trims freed heap back to the OS,
-so every step page-faults its activations in again. `keep_freed_memory` tells malloc to
-keep and reuse that memory instead.
+so every step page-faults its activations in again. `keep_freed_memory` (once.heap, shared
+with the gateway) tells malloc to keep and reuse that memory instead.
 """
 
 import ctypes
@@ -17,14 +17,12 @@ import sys
 
 import torch
 
+from once.heap import keep_freed_memory
+
+__all__ = ["copy_to_huge", "empty_huge", "keep_freed_memory", "zeros_huge"]
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 1 << 21
 _libc = None
-# mallopt parameters (malloc.h) and the values the engine sets.
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest; only weights and KV pools are bigger
-_TRIM_THRESHOLD = 512 << 20  # freed top-of-heap memory kept for the next step
-_TOP_PAD = 64 << 20  # grow the heap in large steps, so fewer calls fault pages in
 
 
 def _glibc():
@@ -35,23 +33,6 @@ def _glibc():
         except OSError:
             _libc = False
     return _libc
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc's malloc reuse freed memory rather than map and unmap it per step, so
-    the elementwise ops and matmul outputs do not page-fault their memory in every step.
-
-    Process-wide and idempotent; False where the C library is not glibc.
-    """
-    libc = _glibc() if sys.platform.startswith("linux") else None
-    if not libc or not hasattr(libc, "mallopt"):
-        return False
-    settings = (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD),
-        (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD),
-        (_M_TOP_PAD, _TOP_PAD),
-    )
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
 
 
 def _madvise_huge(tensor: torch.Tensor) -> None:

@@ -20,8 +20,12 @@ fake instead of a model. It behaves like the real engine where callers can obser
   check they carry them: each emitted id has logprob 0.0 (the script is certain) and its
   top k are the id itself at 0.0, then the next ids up, id + i at -i (see
   `scripted_logprobs`); nothing when the request did not ask.
-- Timing: `ttft_s` before the first delta, `token_latency_s` per later token; `abort()`
-  interrupts either wait at once and ends the stream with finish "abort".
+- Timing: `ttft_s` before the first delta, `token_latency_s` per later token (a fixed
+  token rate of 1 / token_latency_s per stream); `abort()` interrupts either wait at once
+  and ends the stream with finish "abort".
+- History: `requests` and `finish_reasons` record every request for tests to inspect;
+  `keep_history=False` turns that off, so a long-running server (a load test) holds
+  nothing per finished request.
 """
 
 import asyncio
@@ -65,6 +69,7 @@ class ScriptedEngine:
         max_model_len: int = 8192,
         tokens_per_delta: int = 1,
         max_cached_blocks: int | None = None,
+        keep_history: bool = True,
     ):
         if block_size < 1 or tokens_per_delta < 1 or max_model_len < 1:
             raise ValueError("block_size, tokens_per_delta and max_model_len must be >= 1")
@@ -76,6 +81,7 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.tokens_per_delta = tokens_per_delta
         self.max_cached_blocks = max_cached_blocks
+        self.keep_history = keep_history
         self._next_script_index = 0
         self._cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU, oldest first
         self._abort_events: dict[str, asyncio.Event] = {}
@@ -100,7 +106,8 @@ class ScriptedEngine:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         arrival = time.monotonic()
-        self.requests.append(request)
+        if self.keep_history:
+            self.requests.append(request)
         prompt = request.prompt_token_ids
         if len(prompt) > self.max_model_len:
             raise ContextLengthExceededError(
@@ -264,7 +271,8 @@ class ScriptedEngine:
         num_prompt = len(request.prompt_token_ids)
         # The KV of the last emitted token was never computed, so it is not cached.
         self._insert_blocks(list(request.prompt_token_ids) + emitted[:-1], request.cache_salt)
-        self.finish_reasons[request.request_id] = finish_reason
+        if self.keep_history:
+            self.finish_reasons[request.request_id] = finish_reason
         counters = self._counters
         counters["num_requests_finished"] += 1
         counters["num_requests_aborted"] += int(finish_reason == FINISH_ABORT)

@@ -1,19 +1,16 @@
 """What every HTTP front end shares: a bounded body, JSON decoding, error replies."""
 
 import json
-import re
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from once.protocol.errors import (
-    EngineOverloadedError,
     InvalidJSONError,
     InvalidRequestError,
     OnceError,
     PayloadTooLargeError,
     RateLimitError,
-    RequestTimeoutError,
 )
 
 # Names the request's hosted tools this server has no backend for, left out of the prompt.
@@ -21,20 +18,14 @@ IGNORED_TOOLS_HEADER = "once-ignored-tools"
 
 
 MAX_JSON_DEPTH = 100  # arrays and objects inside each other; tool schemas nest ~10 deep
-# A candidate `\uD800`-`\uDFFF` escape; whether its backslash is itself escaped is decided
-# by counting the backslashes before it, so the scan is one pass of a plain pattern.
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
 
 
 def error_response(error: OnceError, headers: dict[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
     if isinstance(error, RateLimitError):
         headers["retry-after"] = str(max(1, round(error.retry_after_s)))
-    elif isinstance(error, EngineOverloadedError):
-        headers["retry-after"] = "1"  # the engine refused it before any token: retry soon
-    if error.status >= 500 or isinstance(error, RequestTimeoutError):
-        # The client's next request opens a fresh one (a slow body is left unread).
-        headers["connection"] = "close"
+    if error.status >= 500:
+        headers["connection"] = "close"  # the client's next request opens a fresh one
     return JSONResponse({"error": error.to_dict()}, status_code=error.status, headers=headers)
 
 
@@ -58,7 +49,6 @@ def decode_json(body: bytes | str, what: str = "body") -> object:
             body = body.decode("utf-8")
         except UnicodeDecodeError as e:
             raise InvalidRequestError(f"the {what} is not valid UTF-8 (byte {e.start})") from None
-    _check_surrogates(body, what)
     try:
         value = json.loads(body)
     except json.JSONDecodeError as e:
@@ -67,34 +57,37 @@ def decode_json(body: bytes | str, what: str = "body") -> object:
         value = None
     if value is None and body.strip() != "null" or _too_deep(value):
         raise InvalidJSONError(f"the {what} nests deeper than {MAX_JSON_DEPTH} levels")
+    if _holds_lone_surrogate(value):
+        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
     return value
 
 
-def _check_surrogates(text: str, what: str) -> None:
-    """A lone UTF-16 surrogate escape decodes to a string no encoder takes: refuse it."""
-    if "\\ud" not in text and "\\uD" not in text:
-        return
-    pending_high = -1  # end offset of a high surrogate escape waiting for its low half
-    for match in _SURROGATE_ESCAPE.finditer(text):
-        escape_start = match.start()
-        if _backslashes_before(text, escape_start) % 2:
-            continue  # `\\u...`: an escaped backslash, then plain text
-        is_high = match.group(1) in "89abAB"
-        if not is_high and pending_high == escape_start:
-            pending_high = -1
-            continue
-        if pending_high != -1 or not is_high:
-            raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
-        pending_high = match.end()
-    if pending_high != -1:
-        raise InvalidRequestError(f"the {what} holds a lone UTF-16 surrogate escape")
+def _holds_lone_surrogate(value: object) -> bool:
+    """A lone UTF-16 surrogate escape decodes to a string no encoder takes.
 
-
-def _backslashes_before(text: str, end: int) -> int:
-    start = end
-    while start > 0 and text[start - 1] == "\\":
-        start -= 1
-    return end - start
+    Checked on the decoded value, not the text: the text is strict UTF-8 (HTTP bodies
+    decoded above, WebSocket frames by the server), so a surrogate code point in a decoded
+    string can only come from an escape, and json decodes a valid escaped pair to one
+    astral code point. An ASCII string holds none (`isascii` reads a flag); any other is
+    encoded once, which refuses surrogates: a C loop over the string, where a regex over
+    the raw text stopped at every backslash and cost more than the rest of refusing a
+    20 MB prompt.
+    """
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, str):
+            if not node.isascii():
+                try:
+                    node.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+        elif isinstance(node, dict):
+            stack.extend(node)
+            stack.extend(child for child in node.values() if isinstance(child, str | dict | list))
+        elif isinstance(node, list):
+            stack.extend(child for child in node if isinstance(child, str | dict | list))
+    return False
 
 
 def _too_deep(value: object) -> bool:

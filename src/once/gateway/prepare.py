@@ -113,12 +113,16 @@ class PromptPreparer:
             # Stateless: the request holds the whole conversation; a kept state of its
             # longest known prefix saves tokenizing that prefix again.
             items = tuple(request.input_items)
+            # Before the messages are hashed: hashing a 20 MB prompt costs more than all
+            # the rest of refusing it.
+            _check_bound(model, None, items, request)
             lookup = find_prefix(
                 self.conversations.prefix_states, model.renderer, tenant.name, key, items
             )
             chain_hashes, state, used_prefix_key = lookup.hashes, lookup.state, lookup.used_key
             new_items = tuple(lookup.new_items)
-        _check_bound(model, state, new_items if state is not None else items or new_items, request)
+        if state is not None:  # the ids so far and the new items' characters
+            _check_bound(model, state, new_items, request)
         built = None
         if state is not None and state.render_key == key:
             try:
@@ -211,13 +215,17 @@ class PromptPreparer:
         self, request: ResponsesRequest, tenant: Tenant, model: ModelRuntime
     ) -> int:
         """The prompt's length in tokens, as a full render gives it (no engine, no state
-        kept): what the APIs' token counters answer."""
+        kept): what the APIs' token counters answer. A prompt its characters prove longer
+        than the context is a `context_length_exceeded` error instead."""
         state = None
         if request.previous_response_id:
             state = await self.conversations.previous_state(
                 request.previous_response_id, tenant, None
             )
         items = await self._all_items(state, request, tenant)
+        # A prompt that can never be served is refused, not counted: counting it would
+        # tokenize all of it.
+        _check_bound(model, None, items, request)
         key = render_key(model.name, request.instructions, request.tools)
         built = await self._run_cpu(
             _num_chars(items), model.builder.full, key, request.instructions, request.tools, items
