@@ -115,3 +115,25 @@ async def test_without_a_backend_web_search_is_ignored(runtime):
         )
         assert reply.headers["once-ignored-tools"] == "web_search"
     assert "web_search" not in runtime.tokenizer.decode(engine.requests[0].prompt_token_ids)
+
+
+async def test_web_search_over_websocket(runtime):
+    texts = [block("web_search", arguments={"query": "ws"}), "Found it."]
+    engine = scripted_texts(runtime, texts)
+    async with SearchServer().serving() as search:
+        async with serve_gateway(runtime, engine, config(search.url)) as (url, _):
+            async with client_for(url) as client, client.responses.connect() as connection:
+                await connection.response.create(
+                    model=MODEL, input="Search ws", tools=[CODEX_WEB_SEARCH]
+                )
+                events = []
+                async for event in connection:
+                    events.append(event)
+                    if event.type == "response.completed":
+                        break
+                validate_events(events)
+                call, message = events[-1].response.output
+                assert (call.type, call.status, message.content[0].text) == (
+                    "web_search_call", "completed", "Found it.",
+                )  # fmt: skip
+    assert search.queries == ["ws"]
