@@ -21,6 +21,7 @@ from once.gateway.capacity import CpuCostMeter
 from once.gateway.chat_http import chat_routes
 from once.gateway.config import GatewayConfig
 from once.gateway.hosted import HostedTools, ToolSearch
+from once.gateway.hosted_backends import HostedBackends
 from once.gateway.http_io import error_response
 from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.messages_http import anthropic_error_response, messages_routes
@@ -110,10 +111,14 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     return app
 
 
-def default_hosted_tools() -> HostedTools:
-    """The hosted tools `once serve` runs: remote MCP servers, programs and server-side tool
-    search (their order is the order their work before generation appears in a response)."""
-    return HostedTools([RemoteMcp(), ProgrammaticToolCalling(), ToolSearch()])
+def default_hosted_tools(backends: dict | None = None) -> HostedTools:
+    """The hosted tools `once serve` runs: remote MCP servers, programs, server-side tool
+    search (their order is the order their work before generation appears in a response)
+    and the hosted tools the config's `hosted_backends` serve."""
+    tools: list = [RemoteMcp(), ProgrammaticToolCalling(), ToolSearch()]
+    if backends:
+        tools.append(HostedBackends(backends))
+    return HostedTools(tools)
 
 
 def create_gateway(
@@ -148,6 +153,6 @@ def create_gateway(
         body_timeout_s=config.body_timeout_s,
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
-        hosted=default_hosted_tools() if hosted is None else hosted,
+        hosted=default_hosted_tools(config.hosted_backends) if hosted is None else hosted,
         default_max_output_tokens=config.default_max_output_tokens,
     )

@@ -1,5 +1,6 @@
 """The gateway's one frozen config: flags > environment (ONCE_GATEWAY_*) > TOML file."""
 
+import json
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -40,6 +41,9 @@ class GatewayConfig:
     # [gateway.aliases]: client model name or glob -> served model; None: the defaults
     # (aliases.py), {}: none.
     aliases: dict | None = None
+    # [gateway.hosted_backends.<tool>]: the MCP server serving a hosted tool type
+    # (hosted_backends.py); ONCE_GATEWAY_HOSTED_BACKENDS takes the same as a JSON object.
+    hosted_backends: dict = field(default_factory=dict)
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
 
@@ -58,7 +62,12 @@ class GatewayConfig:
             raise ValueError(f"unknown gateway config keys in {path}: {unknown}")
         for name, spec in known.items():
             env = os.environ.get(f"ONCE_GATEWAY_{name.upper()}")
-            if env is not None and name not in ("safety", "aliases"):
+            if env is not None and name == "hosted_backends":
+                try:
+                    values[name] = json.loads(env)
+                except ValueError as e:
+                    raise ValueError(f"ONCE_GATEWAY_HOSTED_BACKENDS is not JSON: {e}") from None
+            elif env is not None and name not in ("safety", "aliases"):
                 values[name] = _coerce(env, spec.type)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)

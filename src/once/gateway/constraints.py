@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import llguidance
 
+from once.gateway.backend_tools import HOSTED_FUNCTION
 from once.gateway.program_tool import PROGRAM_TOOL_NAME, PROGRAM_TOOL_TYPE, allows
 from once.gateway.tool_items import NAMESPACE_SEPARATOR, is_tool_search
 from once.gateway.toolcalls import CLOSE_TAG, OPEN_TAG
@@ -51,7 +52,7 @@ def callable_tools(tools: Sequence[dict], items: Sequence[dict] = ()) -> dict[st
             for nested in tool.get("tools") or ():
                 if allows(nested, "direct", tool):
                     callable_[f"{tool['name']}{NAMESPACE_SEPARATOR}{nested['name']}"] = nested
-        elif kind in ("function", "custom"):
+        elif kind in ("function", "custom", HOSTED_FUNCTION):
             callable_[tool["name"]] = tool
         elif kind == PROGRAM_TOOL_TYPE:
             callable_[PROGRAM_TOOL_NAME] = {"type": "custom", "name": PROGRAM_TOOL_NAME}
@@ -192,7 +193,7 @@ def enforces_calls(tool: dict) -> bool:
 
 
 def output_constraint(request: ResponsesRequest, items: Sequence[dict]) -> OutputConstraint | None:
-    callable_ = callable_tools(request.tools, items)
+    callable_ = callable_tools(request.prompt_tools, items)
     names = forced_names(request.tool_choice, callable_)
     if names:
         return call_constraint({name: callable_[name] for name in names}, forced=True)

@@ -96,7 +96,7 @@ class Generation:
         # What kinds of tool the model may call (tool_items.py), from everything known, and
         # which MCP calls wait for approval (by the listings so far, this response's too).
         known_items = prepared.items if prepared.items is not None else prepared.new_items
-        self.declared = declared_types(prepared.request.tools, known_items)
+        self.declared = declared_types(prepared.request.prompt_tools, known_items)
         self.needs_approval = approval_rule(
             prepared.request.tools, known_items, prepared.output.items
         )

@@ -99,6 +99,16 @@ class HostedTools:
     def opens(self, request: ResponsesRequest) -> bool:
         return any(tool.opens(request) for tool in self.tools)
 
+    def prompt_functions(self, request: ResponsesRequest) -> tuple[dict, ...]:
+        """Declarations a tool adds to the prompt beyond what render.py writes for the
+        request's tools (hosted_backends.py's one-argument functions)."""
+        found: list[dict] = []
+        for tool in self.tools:
+            declare = getattr(tool, "prompt_functions", None)
+            if declare is not None:
+                found.extend(declare(request))
+        return tuple(found)
+
     async def open(self, turn: HostedTurn) -> HostedOutcome | None:
         """Every tool's work before generation, in registration order, each seeing the
         items the ones before it produced."""

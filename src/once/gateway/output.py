@@ -35,12 +35,18 @@ ID_PREFIXES = {
     "mcp_call": "mcp",
     "mcp_list_tools": "mcpl",
     "mcp_approval_request": "mcpr",
+    "web_search_call": "ws",
+    "file_search_call": "fs",
+    "code_interpreter_call": "ci",
 }
 # Call items the SDK types without a call_id, or without a status.
-WITHOUT_CALL_ID = ("mcp_call", "mcp_approval_request")
+WITHOUT_CALL_ID = (
+    "mcp_call", "mcp_approval_request", "web_search_call", "file_search_call",
+    "code_interpreter_call",
+)  # fmt: skip
 WITHOUT_STATUS = ("program", "mcp_approval_request")
 # Hosted calls shown in progress while the gateway runs them (the others are done at once).
-RUN_IN_PROGRESS = ("mcp_call",)
+RUN_IN_PROGRESS = ("mcp_call", "web_search_call", "file_search_call", "code_interpreter_call")
 
 
 def new_id(prefix: str) -> str:

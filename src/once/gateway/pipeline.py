@@ -158,6 +158,8 @@ class ResponsePipeline:
             if not request.ignored_tools:
                 hosted = hosted_tool_names(request.tools, self.hosted.tool_types)
                 request = replace(request, ignored_tools=tuple(hosted)) if hosted else request
+            functions = self.hosted.prompt_functions(request)
+            request = replace(request, hosted_functions=functions) if functions else request
             model = check_semantics(request, self.models, self.aliases)
             tenant = self.keyring.authenticate(authorization)
             await self.limiter.hit_request(tenant)

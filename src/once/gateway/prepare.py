@@ -101,7 +101,7 @@ class PromptPreparer:
         connection: ConnectionCache | None,
         created_at: int,
     ) -> Prepared:
-        key = render_key(model.name, request.instructions, request.tools)
+        key = render_key(model.name, request.instructions, request.prompt_tools)
         state, items, new_items = None, None, request.input_items
         chain_hashes: list[bytes] | None = None
         used_prefix_key: bytes | None = None
@@ -130,7 +130,7 @@ class PromptPreparer:
                     _num_chars(new_items),
                     model.builder.continuation,
                     state,
-                    request.tools,
+                    request.prompt_tools,
                     new_items,
                 )
             except NotIncrementalError:
@@ -148,7 +148,7 @@ class PromptPreparer:
                 model.builder.full,
                 key,
                 request.instructions,
-                request.tools,
+                request.prompt_tools,
                 items,
             )
         elif state is not None and state.items is not None:
@@ -186,14 +186,14 @@ class PromptPreparer:
         context.last_role = last[-1]["role"] if last else None
         try:
             step = await self._run_cpu(
-                _num_chars(step_items), model.builder.continuation, context, request.tools,
+                _num_chars(step_items), model.builder.continuation, context, request.prompt_tools,
                 step_items,
             )  # fmt: skip
         except NotIncrementalError:
             items = (prepared.items or prepared.new_items) + tuple(prepared.output.items)
             step = await self._run_cpu(
                 _num_chars(items), model.builder.full, built.render_key, request.instructions,
-                request.tools, items,
+                request.prompt_tools, items,
             )  # fmt: skip
         _check_length(step, model)
         self.metrics.record_build(step)
@@ -226,9 +226,14 @@ class PromptPreparer:
         # A prompt that can never be served is refused, not counted: counting it would
         # tokenize all of it.
         _check_bound(model, None, items, request)
-        key = render_key(model.name, request.instructions, request.tools)
+        key = render_key(model.name, request.instructions, request.prompt_tools)
         built = await self._run_cpu(
-            _num_chars(items), model.builder.full, key, request.instructions, request.tools, items
+            _num_chars(items),
+            model.builder.full,
+            key,
+            request.instructions,
+            request.prompt_tools,
+            items,
         )
         return len(built.prompt_ids)
 
@@ -270,7 +275,7 @@ class PromptPreparer:
             prepared.model.builder.full,
             prepared.built.render_key,
             request.instructions,
-            request.tools,
+            request.prompt_tools,
             prepared.items,
         )
         same = full.prompt_ids == prepared.built.prompt_ids

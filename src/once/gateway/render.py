@@ -27,6 +27,8 @@ background verification in `tokens.py` catches any template where it does not.
 import json
 from collections.abc import Sequence
 
+from once.gateway.backend_tools import BACKEND_CALLS, HOSTED_FUNCTION
+from once.gateway.backend_tools import result_text as backend_result_text
 from once.gateway.mcp_policy import (
     MCP_APPROVAL_RESPONSE,
     MCP_CALL,
@@ -117,7 +119,7 @@ def canonical_tool(tool: dict, tools: Sequence[dict] = ()) -> dict | None:
         return out
     if kind in TYPED_CLIENT_TOOLS:
         return {"type": "function", "name": kind, "parameters": TYPED_CLIENT_TOOLS[kind][2]}
-    if kind != "function":
+    if kind not in ("function", HOSTED_FUNCTION):
         return None
     out = {"type": "function", "name": tool.get("name", "")}
     if tool.get("description"):
@@ -253,6 +255,8 @@ class PromptRenderer:
                 joined = call(call_parts(item))
                 if kind == MCP_CALL:  # run by the gateway: its result follows at once
                     tool_turn(call_result_text(item))
+                elif kind in BACKEND_CALLS:
+                    tool_turn(backend_result_text(item))
             elif kind in OUTPUT_TYPES:
                 tool_turn(output_item_text(item))
             elif kind == TOOL_SEARCH_OUTPUT:

@@ -13,6 +13,7 @@ and `completed` or `failed`. An item the gateway works on (output.py's `ItemStar
 added when it starts and done when it ends; one emitted whole gets both at once.
 """
 
+from once.gateway.backend_tools import BACKEND_CALLS, OUTPUT_FIELD
 from once.gateway.output import (
     ItemEmitted,
     ItemStarted,
@@ -228,6 +229,8 @@ class ResponsesEncoder:
             for name in ("output", "error"):
                 added.pop(name, None)
             added["arguments"] = ""
+        if kind in BACKEND_CALLS:
+            return self._backend_call_added(added, index)
         events = [self._event("response.output_item.added", output_index=index, item=added)]
         if kind == "mcp_call":
             arguments = item["arguments"]
@@ -246,7 +249,34 @@ class ResponsesEncoder:
         if kind in ("mcp_call", "mcp_list_tools"):
             ending = "failed" if item.get("error") else "completed"
             events.append(self._event(f"response.{kind}.{ending}", **ids))
+        elif kind in BACKEND_CALLS and item.get("status") == "completed":
+            events.append(self._event(f"response.{kind}.completed", **ids))  # no .failed
         events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
+        return events
+
+    def _backend_call_added(self, added: dict, index: int) -> list[dict]:
+        """A backend's call (hosted_backends.py), in progress: what the SDK streams for it."""
+        kind, ids = added["type"], {"item_id": added["id"], "output_index": index}
+        added.pop(OUTPUT_FIELD, None)
+        code = added.get("code") or ""
+        if kind == "code_interpreter_call":
+            added.update(code="", outputs=None)
+        if kind == "file_search_call":
+            added["results"] = None
+        if kind == "web_search_call":
+            added["action"] = {k: v for k, v in added["action"].items() if k != "sources"}
+        events = [
+            self._event("response.output_item.added", output_index=index, item=added),
+            self._event(f"response.{kind}.in_progress", **ids),
+        ]
+        if kind == "code_interpreter_call":
+            events += [
+                self._event("response.code_interpreter_call_code.delta", **ids, delta=code),
+                self._event("response.code_interpreter_call_code.done", **ids, code=code),
+                self._event("response.code_interpreter_call.interpreting", **ids),
+            ]
+        else:
+            events.append(self._event(f"response.{kind}.searching", **ids))
         return events
 
     def _custom_tool_call(self, item: dict, index: int) -> list[dict]:

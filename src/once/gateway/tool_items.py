@@ -27,6 +27,8 @@ reported (`hosted_tool_names`).
 import json
 from collections.abc import Callable, Iterable, Sequence
 
+from once.gateway.backend_tools import BACKEND_CALLS, HOSTED_FUNCTION, backend_call_item
+from once.gateway.backend_tools import call_parts as backend_call_parts
 from once.gateway.mcp_policy import MCP_APPROVAL_REQUEST, MCP_CALL, MCP_TOOL
 from once.gateway.program_tool import (
     PROGRAM,
@@ -95,10 +97,12 @@ TOOL_SEARCH_PARAMETERS = {
     "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
     "required": ["query"],
 }
-PROMPT_TOOL_TYPES = ("function", "custom", "namespace", PROGRAM_TOOL_TYPE, *TYPED_CLIENT_TOOLS)
+PROMPT_TOOL_TYPES = (
+    "function", "custom", "namespace", PROGRAM_TOOL_TYPE, HOSTED_FUNCTION, *TYPED_CLIENT_TOOLS,
+)  # fmt: skip
 CALL_TYPES = (FUNCTION_CALL, CUSTOM_TOOL_CALL, TOOL_SEARCH_CALL, *TYPED_CALL_ITEMS)
 # The calls of tools the gateway runs: shown in the assistant turn as calls too.
-HOSTED_CALL_TYPES = (PROGRAM, MCP_CALL, MCP_APPROVAL_REQUEST)
+HOSTED_CALL_TYPES = (PROGRAM, MCP_CALL, MCP_APPROVAL_REQUEST, *BACKEND_CALLS)
 OUTPUT_TYPES = (
     FUNCTION_CALL_OUTPUT,
     CUSTOM_TOOL_CALL_OUTPUT,
@@ -143,6 +147,8 @@ def declared_types(tools: Iterable[dict], items: Sequence[dict] = ()) -> set[str
         kinds.update(_kind(nested) for nested in tool.get("tools") or ())  # a namespace's
         if tool.get("type") == MCP_TOOL:
             kinds.add(f"{MCP_TOOL}:{tool.get('server_label')}")
+        if tool.get("type") == HOSTED_FUNCTION:
+            kinds.add(f"{HOSTED_FUNCTION}:{tool.get('name')}")
         if tool.get("type", "function") == "function" and tool.get("defer_loading"):
             kinds.add(f"{DEFERRED}:{tool.get('name')}")
     return kinds
@@ -188,6 +194,8 @@ def call_item(
         return {**item, "namespace": namespace} if namespace else item
     if text_input is not None:  # an input where no custom tool was declared: an argument
         arguments = json.dumps({"input": text_input}, ensure_ascii=False)
+    if not namespace and f"{HOSTED_FUNCTION}:{name}" in declared:
+        return backend_call_item(name, _object(arguments))
     if name == "tool_search" and SERVER_TOOL_SEARCH in declared:
         return {"type": TOOL_SEARCH_CALL, "execution": "server", "arguments": _object(arguments)}
     if not namespace and name in declared:
@@ -234,6 +242,8 @@ def call_parts(item: dict) -> tuple[str, str, object]:
             "arguments",
             (item.get("arguments") or "{}"),
         )
+    if kind in BACKEND_CALLS:
+        return backend_call_parts(item)
     if kind == CUSTOM_TOOL_CALL:
         return name, "input", item.get("input", "")
     if kind == TOOL_SEARCH_CALL:

@@ -87,7 +87,7 @@ def check_tool_choice(request: ResponsesRequest) -> None:
             f"tool_choice {choice!r} is not supported here (hosted tools have no backend)",
             param="tool_choice",
         )
-    tools = callable_tools(request.tools, request.input_items)
+    tools = callable_tools(request.prompt_tools, request.input_items)
     if not tools:
         raise InvalidRequestError(
             "tool_choice forces a call but there are no tools", param="tool_choice"

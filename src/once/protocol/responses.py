@@ -63,6 +63,14 @@ class ResponsesRequest:
     # Tools the request named that this server leaves out of the prompt (hosted tools with
     # no backend here); the front end reports them.
     ignored_tools: tuple[str, ...] = ()
+    # Declarations of the hosted tools this server runs through an operator's backend
+    # (gateway/backend_tools.py; set at admission): they reach the prompt with `tools`.
+    hosted_functions: tuple[dict, ...] = ()
+    include: tuple[str, ...] = ()  # the request's `include`
+
+    @property
+    def prompt_tools(self) -> tuple[dict, ...]:
+        return self.tools + self.hosted_functions
 
 
 @functools.cache
@@ -153,6 +161,7 @@ def parse_request(body: Any, *, websocket: bool = False) -> ResponsesRequest:
         text_format=((text.get("format") or {}).get("type") or "text"),
         text_format_spec=text.get("format"),
         logprobs=_logprobs(body),
+        include=tuple(str(i) for i in body.get("include") or ()),
     )
 
 
