@@ -25,6 +25,7 @@ from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
+from once.gateway.openapi import encoded_document
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prefix_states import PrefixStates
 from once.gateway.programs import ProgrammaticToolCalling
@@ -49,13 +50,13 @@ ROUTING_ERRORS: dict[int, type[InvalidRequestError]] = {
 
 
 def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
-    app = FastAPI(title="once gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="once gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = pipeline
 
     def error_for(request: Request, error: OnceError, headers=None) -> Response:
         # Each API's own error shape: Anthropic's under /v1/messages, OpenAI's elsewhere.
         if request.url.path.startswith("/v1/messages"):
-            return anthropic_error_response(error)
+            return anthropic_error_response(error, headers)
         return error_response(error, headers)
 
     @app.exception_handler(OnceError)
@@ -99,6 +100,13 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     @app.websocket("/v1/responses")
     async def websocket_mode(socket: WebSocket):
         await serve_connection(pipeline, socket)
+
+    # Built once, after every route is in place, and served as the same bytes each time.
+    document = encoded_document(app, auth=pipeline.keyring.enabled, models=list(pipeline.models))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json():
+        return Response(document, media_type="application/json")
 
     return app
 
