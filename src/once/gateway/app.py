@@ -25,7 +25,7 @@ from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
-from once.gateway.openapi import encoded_document
+from once.gateway.openapi import PathMethods, documented_routes, encoded_document
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prefix_states import PrefixStates
 from once.gateway.programs import ProgrammaticToolCalling
@@ -63,11 +63,18 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     async def once_error(request: Request, error: OnceError):
         return error_for(request, error)
 
+    path_methods: list[PathMethods] = []  # filled once every route is in place
+
     @app.exception_handler(HTTPException)
     async def routing_error(request: Request, error: HTTPException):
-        # Unknown paths and methods get the same error body as every other failure.
+        # Unknown paths and methods get the same error body as every other failure; a 405
+        # lists every method of the path (Starlette's names only the first route's).
         failure = ROUTING_ERRORS.get(error.status_code, InvalidRequestError)(str(error.detail))
-        return error_for(request, failure, getattr(error, "headers", None))
+        headers = getattr(error, "headers", None)
+        allowed = path_methods[0].allowed(request.url.path) if path_methods else []
+        if error.status_code == 405 and allowed:
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return error_for(request, failure, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
@@ -103,6 +110,7 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
 
     # Built once, after every route is in place, and served as the same bytes each time.
     document = encoded_document(app, auth=pipeline.keyring.enabled, models=list(pipeline.models))
+    path_methods.append(PathMethods(documented_routes(app)))
 
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi_json():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from starlette.routing import compile_path
 
 from once.gateway.capacity import LOAD_REPORT_HEADER
 from once.gateway.http_io import IGNORED_TOOLS_HEADER
@@ -244,6 +245,27 @@ def documented_routes(app: FastAPI) -> list[tuple[str, str]]:
     them (through included routers too)."""
     paths = get_openapi(title=app.title, version=app.version, routes=app.routes)["paths"]
     return sorted((method.upper(), path) for path, item in paths.items() for method in item)
+
+
+class PathMethods:
+    """The methods each documented path takes, for a 405's `Allow` header. A path matching
+    several routes takes the methods of them all, except that a concrete path (no
+    parameters) wins over a template that also matches, as OpenAPI reads paths."""
+
+    def __init__(self, routes: list[tuple[str, str]]):
+        by_path: dict[str, set[str]] = {}
+        for method, path in routes:
+            by_path.setdefault(path, set()).add(method)
+        self._paths = [
+            (compile_path(path)[0], "{" not in path, methods) for path, methods in by_path.items()
+        ]
+
+    def allowed(self, path: str) -> list[str]:
+        matches = [
+            (concrete, methods) for regex, concrete, methods in self._paths if regex.match(path)
+        ]
+        chosen = [methods for concrete, methods in matches if concrete] or [m for _, m in matches]
+        return sorted(set().union(*chosen))
 
 
 def openapi_document(app: FastAPI, *, auth: bool, models: list[str]) -> dict:

@@ -50,6 +50,7 @@ class ToolCallParsed:
     name: str
     arguments: str  # compact JSON when the model wrote an object; its string as written
     input: str | None = None  # a free-form tool's text input (`{"name", "input"}`)
+    raw: str = ""  # the whole block, shown as text when the call does not fit its tool
 
 
 @dataclass
@@ -143,7 +144,7 @@ class ToolCallStreamParser:
             name, arguments, text_input = _parse_call(body)
         except ValueError as error:
             return ToolCallMalformed(index, raw, str(error))
-        return ToolCallParsed(index, name, arguments, text_input)
+        return ToolCallParsed(index, name, arguments, text_input, raw)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
