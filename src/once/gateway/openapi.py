@@ -235,7 +235,9 @@ def operation_object(operation: Operation, auth: bool, model: str | None = None)
             media["example"] = example_body(operation.body, model)
         result["requestBody"] = {"required": True, "content": {JSON: media}}
     if auth and operation.authenticated:
-        schemes = [{"bearer": []}, {"x-api-key": []}] if operation.anthropic else [{"bearer": []}]
+        schemes: list[dict] = (
+            [{"bearer": []}, {"x-api-key": []}] if operation.anthropic else [{"bearer": []}]
+        )
         result["security"] = schemes
     return result
 

@@ -27,6 +27,7 @@ reported (`hosted_tool_names`).
 import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from once.gateway.mcp_policy import MCP_APPROVAL_REQUEST, MCP_CALL, MCP_TOOL
 from once.gateway.program_tool import (
@@ -224,7 +225,7 @@ def _typed_value(name: str):
     )
     from pydantic import TypeAdapter
 
-    types = {
+    types: dict[str, Any] = {
         "local_shell": response_output_item.LocalShellCallAction,
         "shell": response_function_shell_tool_call.Action,
         "apply_patch": response_apply_patch_tool_call.Operation,

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import requests as http
 import schemathesis
@@ -84,7 +85,8 @@ class Tally:
 @contextlib.contextmanager
 def running_gateway(runtime) -> Iterator[str]:
     """The gateway on 127.0.0.1 in a thread of its own; yields its base URL."""
-    ready, box = threading.Event(), {}
+    ready = threading.Event()
+    box: dict[str, Any] = {}
 
     async def serve() -> None:
         stop = asyncio.Event()
