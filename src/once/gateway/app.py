@@ -27,6 +27,7 @@ from once.gateway.mcp_hosted import RemoteMcp
 from once.gateway.messages_http import anthropic_error_response, messages_routes
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
+from once.gateway.openapi import PathMethods, documented_routes, encoded_document
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prefix_states import PrefixStates
 from once.gateway.programs import ProgrammaticToolCalling
@@ -52,7 +53,7 @@ ROUTING_ERRORS: dict[int, type[InvalidRequestError]] = {
 
 
 def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
-    app = FastAPI(title="once gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="once gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = pipeline
     app.add_middleware(
         BodyDeadline,
@@ -63,18 +64,25 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     def error_for(request: Request, error: OnceError, headers=None) -> Response:
         # Each API's own error shape: Anthropic's under /v1/messages, OpenAI's elsewhere.
         if request.url.path.startswith("/v1/messages"):
-            return anthropic_error_response(error)
+            return anthropic_error_response(error, headers)
         return error_response(error, headers)
 
     @app.exception_handler(OnceError)
     async def once_error(request: Request, error: OnceError):
         return error_for(request, error)
 
+    path_methods: list[PathMethods] = []  # filled once every route is in place
+
     @app.exception_handler(HTTPException)
     async def routing_error(request: Request, error: HTTPException):
-        # Unknown paths and methods get the same error body as every other failure.
+        # Unknown paths and methods get the same error body as every other failure; a 405
+        # lists every method of the path (Starlette's names only the first route's).
         failure = ROUTING_ERRORS.get(error.status_code, InvalidRequestError)(str(error.detail))
-        return error_for(request, failure, getattr(error, "headers", None))
+        headers = getattr(error, "headers", None)
+        allowed = path_methods[0].allowed(request.url.path) if path_methods else []
+        if error.status_code == 405 and allowed:
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}
+        return error_for(request, failure, headers)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
@@ -107,6 +115,14 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     @app.websocket("/v1/responses")
     async def websocket_mode(socket: WebSocket):
         await serve_connection(pipeline, socket)
+
+    # Built once, after every route is in place, and served as the same bytes each time.
+    document = encoded_document(app, auth=pipeline.keyring.enabled, models=list(pipeline.models))
+    path_methods.append(PathMethods(documented_routes(app)))
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json():
+        return Response(document, media_type="application/json")
 
     return app
 

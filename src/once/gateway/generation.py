@@ -316,6 +316,8 @@ class Generation:
             item = call_item(
                 parsed.name, parsed.arguments, parsed.input, self.declared, self.needs_approval
             )
+            if item is None:  # a typed tool's call that does not fit it
+                return self.output.text(parsed.raw)
             if self.runs_here(item):
                 events = self.output.hosted_call(item)
                 self.pending_call = self.output.items[-1]

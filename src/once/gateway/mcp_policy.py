@@ -107,8 +107,9 @@ def call_result_text(item: dict) -> str:
     if isinstance(error, dict):
         message = error.get("message")
         if message is None:
-            content = error.get("content") or ()
-            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+            content = error.get("content")
+            content = content if isinstance(content, list) else ()
+            parts = [str(c.get("text", "")) for c in content if isinstance(c, dict)]
             message = "\n".join(p for p in parts if p) or error.get("type", "failed")
         return f"error: {message}"
     return f"error: {error}"

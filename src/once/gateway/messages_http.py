@@ -32,10 +32,12 @@ ERROR_TYPES = {
 }
 
 
-def anthropic_error_response(error: OnceError) -> JSONResponse:
+def anthropic_error_response(
+    error: OnceError, headers: dict[str, str] | None = None
+) -> JSONResponse:
     kind = ERROR_TYPES.get(error.status, "api_error")
     body = {"type": "error", "error": {"type": kind, "message": error.message}}
-    headers = {}
+    headers = dict(headers or {})
     if isinstance(error, RateLimitError):
         headers["retry-after"] = str(max(1, round(error.retry_after_s)))
     return JSONResponse(body, status_code=error.status, headers=headers)

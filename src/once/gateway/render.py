@@ -50,6 +50,7 @@ from once.gateway.tool_items import (
     output_item_text,
 )
 from once.gateway.toolcalls import render_tool_call
+from once.protocol.errors import InvalidRequestError
 from once.protocol.responses import (
     ADDITIONAL_TOOLS,
     MESSAGE,
@@ -304,6 +305,12 @@ class PromptRenderer:
         add_generation_prompt: bool = True,
         tools: Sequence[dict] | None = None,
     ) -> str:
+        if not messages:  # every item is one the prompt leaves out, and no instructions
+            raise InvalidRequestError(
+                "the input holds nothing the model can be shown (only items this server "
+                "leaves out of the prompt)",
+                param="input",
+            )
         kwargs = {}
         if self.native_tools and tools:
             # Through canonical JSON and back: nested keys sorted too, since a template's

@@ -6,7 +6,7 @@ pipeline yields, either the final response object (JSON) or the events as SSE fr
 
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from once.gateway.http_io import decode_json, error_response, read_body
@@ -68,6 +68,14 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
         )
         tokens = await pipeline.count_prompt_tokens(admission)
         return {"object": "response.input_tokens", "input_tokens": tokens}
+
+    @router.api_route(
+        "/v1/responses/input_tokens", methods=["GET", "DELETE"], include_in_schema=False
+    )
+    async def input_tokens_other_methods():
+        # The concrete path wins over /v1/responses/{response_id}, as OpenAPI reads paths:
+        # a GET here is a 405, not a lookup of a response named "input_tokens".
+        raise HTTPException(status_code=405)
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, http: Request):

@@ -5,11 +5,14 @@ the served model's tokenizer and ended with eos, as a model that stops would); t
 gateway serves it on a free loopback port, so a harness under test speaks the real wire
 protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
 `CannedMcpServers` is the fake behind the hosted MCP tool's seam (mcp_hosted.py).
+`cycling_texts` and `offline_hosted` make a gateway that answers anything, forever,
+without a network: what the contract tests and the fuzzer run against.
 """
 
 import asyncio
 import contextlib
 import functools
+import itertools
 import socket
 import time
 from collections.abc import AsyncGenerator
@@ -21,11 +24,12 @@ from once.engine.scripted import ScriptedEngine
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.conversation import ConnectionCache
-from once.gateway.hosted import HostedTools
-from once.gateway.mcp_hosted import UNREACHABLE, McpFailure
+from once.gateway.hosted import HostedTools, ToolSearch
+from once.gateway.mcp_hosted import UNREACHABLE, McpFailure, RemoteMcp
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
+from once.gateway.programs import ProgrammaticToolCalling
 from once.gateway.responses_http import responses_encoder
 from once.model_files import DEFAULT_MODEL
 from once.protocol.responses import parse_request
@@ -44,6 +48,28 @@ def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:
     eos = runtime.tokenizer.eos_token_id
     outputs = [runtime.builder.encode(text) + [eos] for text in texts]
     return ScriptedEngine(outputs, eos_token_id=eos, **kwargs)
+
+
+# Plain text, a tool call (of a tool the request may not have) and text past ASCII: what
+# each encoder must carry whatever the request was.
+CYCLED_OUTPUTS = (
+    "ok",
+    '<tool_call>\n{"name": "shell", "arguments": {"cmd": "ls"}}\n</tool_call>',
+    "Ünïcode ✓ 你好\n```json\n{}\n```",
+)
+
+
+def cycling_texts(runtime: ModelRuntime, texts=CYCLED_OUTPUTS) -> ScriptedEngine:
+    """An engine that answers every request, with no end, with the next of `texts`."""
+    eos = runtime.tokenizer.eos_token_id
+    outputs = [runtime.builder.encode(text) + [eos] for text in texts]
+    turns = itertools.count()
+    return ScriptedEngine(lambda request: outputs[next(turns) % len(outputs)], eos_token_id=eos)
+
+
+def offline_hosted() -> HostedTools:
+    """The hosted tools `once serve` runs, with MCP servers that are never reachable."""
+    return HostedTools([RemoteMcp(CannedMcpServers({})), ProgrammaticToolCalling(), ToolSearch()])
 
 
 @contextlib.asynccontextmanager

@@ -24,8 +24,10 @@ generation, computer use) have no backend here: they are left out of the prompt 
 reported (`hosted_tool_names`).
 """
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from once.gateway.backend_tools import BACKEND_CALLS, HOSTED_FUNCTION, backend_call_item
 from once.gateway.backend_tools import call_parts as backend_call_parts
@@ -177,9 +179,11 @@ def call_item(
     text_input: str | None,
     declared: set[str],
     needs_approval: Callable[[str, str], bool] = lambda server_label, name: False,
-) -> dict:
+) -> dict | None:
     """The output item of one parsed call (ids and status are the builder's);
-    `needs_approval(server_label, tool name)` decides an MCP call's item."""
+    `needs_approval(server_label, tool name)` decides an MCP call's item. None: a typed
+    client tool's call whose arguments do not fit the parameters it was shown (its item
+    would not be the API's type; the call is shown as the text it was)."""
     namespace, _, short = name.rpartition(NAMESPACE_SEPARATOR)
     if name == PROGRAM_TOOL_NAME and PROGRAM_TOOL_TYPE in declared:
         code = text_input if text_input is not None else str(_object(arguments).get("code", ""))
@@ -210,11 +214,41 @@ def call_item(
             value = _object(arguments)
             if name == "local_shell":
                 value = {"type": "exec", "env": {}, **value}
+            if not _fits(name, value):
+                return None
             return {"type": item_type, field: value}
     if not namespace and f"{DEFERRED}:{name}" in declared:
         namespace = name
     item = {"type": FUNCTION_CALL, "name": short, "arguments": arguments}
     return {**item, "namespace": namespace} if namespace else item
+
+
+@functools.cache
+def _typed_value(name: str):
+    """The SDK's type of what a typed client tool's call item holds (`action`, ...)."""
+    from openai.types.responses import (
+        response_apply_patch_tool_call,
+        response_function_shell_tool_call,
+        response_output_item,
+    )
+    from pydantic import TypeAdapter
+
+    types: dict[str, Any] = {
+        "local_shell": response_output_item.LocalShellCallAction,
+        "shell": response_function_shell_tool_call.Action,
+        "apply_patch": response_apply_patch_tool_call.Operation,
+    }
+    return TypeAdapter(types[name])
+
+
+def _fits(name: str, value: dict) -> bool:
+    from pydantic import ValidationError
+
+    try:
+        _typed_value(name).validate_python(value, strict=True)
+    except ValidationError:
+        return False
+    return True
 
 
 def _object(arguments: str) -> dict:

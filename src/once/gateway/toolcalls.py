@@ -33,7 +33,7 @@ body is then malformed), as with every tag-based parser.
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -50,6 +50,9 @@ class ToolCallParsed:
     name: str
     arguments: str  # compact JSON when the model wrote an object; its string as written
     input: str | None = None  # a free-form tool's text input (`{"name", "input"}`)
+    # The whole block, shown as text when the call does not fit its tool (not part of
+    # what the call is: two parses of one call are equal however it was spaced).
+    raw: str = field(default="", compare=False)
 
 
 @dataclass
@@ -143,7 +146,7 @@ class ToolCallStreamParser:
             name, arguments, text_input = _parse_call(body)
         except ValueError as error:
             return ToolCallMalformed(index, raw, str(error))
-        return ToolCallParsed(index, name, arguments, text_input)
+        return ToolCallParsed(index, name, arguments, text_input, raw)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:

@@ -219,7 +219,19 @@ def _validate_item(item: dict, param: str) -> None:
                     "assistant content parts need a string 'text'", param=f"{param}.content[{j}]"
                 )
         return
+    if isinstance(
+        item.get("tools"), list
+    ):  # a tool listing: its functions as the API defaults them
+        item = {**item, "tools": [_with_function_defaults(tool) for tool in item["tools"]]}
     validate(adapter if adapter is not None else _adapter(MESSAGE), item, param, strict=True)
+
+
+def _with_function_defaults(tool: Any) -> Any:
+    # The API defaults a function's `parameters` and `strict`; the SDK's TypedDict marks them
+    # required because it always sends them.
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"parameters": None, "strict": None, **tool}
+    return tool
 
 
 def normalize_input(raw_input: str | list) -> tuple[dict, ...]:

@@ -8,6 +8,7 @@ is exactly what the SDK sends; the first error becomes an `InvalidRequestError` 
 import functools
 import re
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 from once.protocol.errors import InvalidRequestError
@@ -62,9 +63,31 @@ def validate(adapter: Any, value: Any, prefix: str = "", *, strict: bool = False
                 param = f"{prefix}.{key}" if prefix else key
                 raise InvalidRequestError(f"missing required parameter: {param!r}", param=param)
     try:
-        adapter.validate_python(value, strict=strict)
+        validated = adapter.validate_python(value, strict=strict)
     except ValidationError as e:
         raise schema_error(e, prefix) from None
+    _check_lazy_lists(validated, prefix)
+
+
+def _check_lazy_lists(validated: Any, prefix: str) -> None:
+    """Pydantic checks an `Iterable[...]` field lazily, only as it is iterated, and the
+    SDKs type every list that way: walk the validated value and iterate each such field,
+    so its items are checked too (an error names the field as if checked at once)."""
+    from pydantic import ValidationError
+
+    stack: list[tuple[Any, tuple]] = [(validated, ())]
+    while stack:
+        node, loc = stack.pop()
+        if isinstance(node, dict):
+            stack.extend((child, (*loc, key)) for key, child in node.items())
+        elif isinstance(node, list | tuple):
+            stack.extend((child, (*loc, i)) for i, child in enumerate(node))
+        elif isinstance(node, Iterator):
+            try:
+                items = list(node)
+            except ValidationError as e:
+                raise schema_error(e, prefix, loc) from None
+            stack.extend((child, (*loc, i)) for i, child in enumerate(items))
 
 
 # pydantic's loc holds union branch tags ("str", "list[...]", "EasyInputMessageParam")
@@ -87,9 +110,9 @@ def _param_from_loc(loc: tuple) -> str | None:
     return "".join(parts) or None
 
 
-def schema_error(error, prefix: str) -> InvalidRequestError:
+def schema_error(error, prefix: str, outer_loc: tuple = ()) -> InvalidRequestError:
     # A union reports one error per branch; the deepest one is the user's likeliest mistake.
-    details = error.errors()
+    details = [{**detail, "loc": (*outer_loc, *detail["loc"])} for detail in error.errors()]
     best = max(details, key=lambda d: len(_param_from_loc(d["loc"]) or ""))
     inner = _param_from_loc(best["loc"])
     if inner is None:
