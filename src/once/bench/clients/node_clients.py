@@ -98,7 +98,17 @@ def codex_config(
     if mcp_command:
         command, *args = mcp_command
         quoted = ", ".join(f'"{a}"' for a in args)
-        lines += ["", "[mcp_servers.time]", f'command = "{command}"', f"args = [{quoted}]"]
+        # `required`: Codex waits for the server's start before the first turn (else a
+        # server still starting, as on a loaded machine, has its tools deferred and the
+        # turn's program finds no such function); a generous start-up bound for the same.
+        lines += [
+            "",
+            "[mcp_servers.time]",
+            f'command = "{command}"',
+            f"args = [{quoted}]",
+            "required = true",
+            "startup_timeout_sec = 120",
+        ]
     return "\n".join(lines) + "\n"
 
 
