@@ -91,6 +91,9 @@ def bars(summary: dict) -> dict:
 def run(args) -> dict:
     summary: dict = {"quick": args.quick}
     for name, module_name, entry in parts(args):
+        if args.parts and name not in args.parts:
+            summary[name] = {"not_run": "not selected"}
+            continue
         _log(f"reliability: {name} ...")
         figures, record = run_part(name, module_name, entry)
         summary.update(figures)
@@ -124,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="once bench reliability", description=__doc__)
     parser.add_argument("--json", action="store_true", help=f"also write {DEFAULT_OUT.name}")
     parser.add_argument("--quick", action="store_true", help="small budgets: a smoke test")
+    parser.add_argument(
+        "--parts", nargs="+", choices=PART_NAMES, default=None, help="run only these parts"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--fuzz-requests", type=int, default=0, help="0: the default budget")
     parser.add_argument("--load-sessions", type=int, default=0, help="0: 256 (16 quick)")
