@@ -77,12 +77,19 @@ class FrameTally:
             self.examples.append(what[:600])
 
 
+def _as_text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 def frame_strategy(schema, model: str) -> st.SearchStrategy:
     create = schema["/v1/responses"]["POST"]
 
     def as_frame(body: Any) -> str:
+        # A negative case's body may be raw bytes (not JSON at all): sent as the frame's text.
+        if isinstance(body, bytes):
+            return body.decode("utf-8", "replace")
         frame = {"type": "response.create", **body} if isinstance(body, dict) else body
-        return json.dumps(frame)
+        return json.dumps(frame, default=_as_text)
 
     valid = (
         create.as_strategy(GenerationMode.POSITIVE)
