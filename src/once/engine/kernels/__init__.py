@@ -40,10 +40,14 @@ def load_cpu_kernels() -> ctypes.CDLL | None:
         return lib
 
 
+def _run_compiler(command: list[str]) -> None:
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+
+
 def _compile_and_load() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
-    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
     # -march=native: the build is only valid on this CPU, so its features are in the key.
     key = source + " ".join(flags).encode() + _cpu_features().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
@@ -55,12 +59,13 @@ def _compile_and_load() -> ctypes.CDLL | None:
         # Build into a temp file and rename, so concurrent builds never load a partial .so.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            subprocess.run(
-                [compiler, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
+            objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
+            for source, obj in zip(_SOURCES, objects, strict=True):
+                _run_compiler([compiler, *flags, "-c", str(source), "-o", obj])
+            # Linked without -ffast-math: linking with it adds crtfastmath.o, whose
+            # constructor sets flush-to-zero for the whole process when the library loads,
+            # so every float in Python (and its tests' float generators) lost subnormals.
+            _run_compiler([compiler, "-shared", "-fopenmp", *objects, "-o", str(out), "-lm"])
             os.replace(out, target)
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
