@@ -60,8 +60,8 @@ def _compile_and_load() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
             objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
-            for source, obj in zip(_SOURCES, objects, strict=True):
-                _run_compiler([compiler, *flags, "-c", str(source), "-o", obj])
+            for path, obj in zip(_SOURCES, objects, strict=True):
+                _run_compiler([compiler, *flags, "-c", str(path), "-o", obj])
             # Linked without -ffast-math: linking with it adds crtfastmath.o, whose
             # constructor sets flush-to-zero for the whole process when the library loads,
             # so every float in Python (and its tests' float generators) lost subnormals.
