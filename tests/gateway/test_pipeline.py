@@ -136,3 +136,21 @@ async def test_a_request_without_an_output_budget_gets_the_servers_default(runti
                 assert (await http.post("/v1/responses", json=body)).status_code == 200
     asked = [request.sampling.max_tokens for request in engine.requests]
     assert asked == [40, 7, 400]  # the default only where the client set none
+
+
+async def test_response_logprobs_have_the_sdks_shape(runtime):
+    # The output part's logprobs need each token's bytes (the SDK's `Logprob`); the delta
+    # event's carry none: both parse as the SDK's types.
+    from openai.types.responses import Response, ResponseTextDeltaEvent
+
+    engine = scripted_texts(runtime, ["ok then"] * 2)
+    async with serve_gateway(runtime, engine, GatewayConfig(store="memory")) as (url, _):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+        asks = {"top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+        response = await client.responses.create(model=MODEL, input="hi", **asks)
+        stream = await client.responses.create(model=MODEL, input="hi", stream=True, **asks)
+        deltas = [event async for event in stream if event.type == "response.output_text.delta"]
+    part = Response.model_validate(response.model_dump()).output[0].content[0]
+    assert part.logprobs and all(lp.bytes == list(lp.token.encode()) for lp in part.logprobs)
+    assert deltas and all(isinstance(event, ResponseTextDeltaEvent) for event in deltas)
+    assert all(event.logprobs for event in deltas)
