@@ -119,10 +119,10 @@ class ResponsesEncoder:
             # The output part's logprobs carry each token's UTF-8 bytes too (the SDK's
             # `Logprob` requires them there; the delta event's type has no such field).
             part["logprobs"] += [
-                {**entry, "bytes": list(entry["token"].encode()),
-                 "top_logprobs": [{**top, "bytes": list(top["token"].encode())}
-                                  for top in entry["top_logprobs"]]}
-                for entry in logprobs
+                {"token": lp.token, "bytes": list(lp.token.encode()), "logprob": lp.logprob,
+                 "top_logprobs": [{"token": t, "bytes": list(t.encode()), "logprob": v}
+                                  for t, v in lp.top]}
+                for lp in event.logprobs or ()
             ]  # fmt: skip
             return [
                 self._event(
