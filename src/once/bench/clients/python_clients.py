@@ -118,28 +118,14 @@ async def anthropic_messages(base_url: str, workspace: Path, model: str) -> str:
 
 async def openai_agents(base_url: str, workspace: Path, model: str) -> str:
     """The openai-agents SDK: an Agent with a function tool, run by its Runner."""
-    import openai
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
-
-    set_tracing_disabled(True)  # its traces go to OpenAI's servers
+    from agents import function_tool
 
     @function_tool
     def list_workspace() -> str:
         """List the files of the workspace."""
         return list_files(workspace)
 
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY)
-    agent = Agent(
-        name="lister",
-        instructions="Answer with the tools you have.",
-        tools=[list_workspace],
-        model=OpenAIResponsesModel(model=model, openai_client=client),
-    )
-    try:
-        result = await Runner.run(agent, "Which files are here?", max_turns=4)
-    finally:
-        await client.close()
-    return str(result.final_output)
+    return await _run_agent(base_url, model, [list_workspace])
 
 
 async def openai_agents_tool_search(base_url: str, workspace: Path, model: str) -> str:
@@ -173,7 +159,7 @@ async def _run_agent(base_url: str, model: str, tools: list) -> str:
     import openai
     from agents import Agent, OpenAIResponsesModel, Runner, set_tracing_disabled
 
-    set_tracing_disabled(True)
+    set_tracing_disabled(True)  # its traces go to OpenAI's servers
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY)
     agent = Agent(
         name="lister",
