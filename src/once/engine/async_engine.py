@@ -97,6 +97,8 @@ class AsyncEngine:
         self._stopped = True
         self._wakeup.set()
         await asyncio.to_thread(self._thread.join, 10)
+        if not self._thread.is_alive():
+            await asyncio.to_thread(self.engine.close)
 
     def _deliver(self, request_id: str, item) -> None:
         with self._lock:

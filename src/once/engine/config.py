@@ -8,6 +8,7 @@ from typing import Any
 from once.model_files import DEFAULT_MODEL
 
 CPU_GEMMS = ("onednn", "torch")
+KV_OFFLOAD_MODES = ("write_through", "write_back")
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,34 @@ class EngineConfig:
     # CPU fp32 matmuls from 3 rows up: "onednn" (weights packed once for oneDNN's GEMM, a
     # second copy in memory; engine/ops.py) or "torch" (torch's own, MKL here).
     cpu_gemm: str = "onednn"
+    # KV tiers below the device pool (kv/tiered_connector.py), all off by default.
+    # L2: host-memory slots; 0 is off. A lower tier stages its loads through host memory,
+    # so with one on the host tier has at least as many slots as the device pool.
+    kv_host_blocks: int = 0
+    kv_disk_path: str = ""  # L3: a folder for block files; "" is off
+    kv_disk_gib: float = 8.0  # L3's size bound
+    kv_shared_url: str = ""  # L4: a Redis shared by replicas, e.g. redis://127.0.0.1:6379/0
+    kv_shared_ttl_s: int = 3600
+    # "write_through": blocks go down as they fill; "write_back": as they are evicted.
+    kv_offload: str = "write_through"
+    kv_load_timeout_s: float = 2.0  # a request waits this long for a prefetch at most
+    kv_host_eviction: str = "lru"  # L2's policy, a name from once.sim.eviction
 
     def __post_init__(self):
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
             raise ValueError(f"slowdown must be a finite number >= 1.0, got {self.slowdown}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.kv_offload not in KV_OFFLOAD_MODES:
+            raise ValueError(
+                f"kv_offload must be one of {KV_OFFLOAD_MODES}, got {self.kv_offload!r}"
+            )
+        if self.kv_host_blocks < 0 or self.kv_disk_gib <= 0 or self.kv_load_timeout_s < 0:
+            raise ValueError("kv_host_blocks, kv_disk_gib and kv_load_timeout_s must be >= 0")
+
+    @property
+    def has_kv_tiers(self) -> bool:
+        return bool(self.kv_host_blocks or self.kv_disk_path or self.kv_shared_url)
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

@@ -106,14 +106,29 @@ class LLMEngine:
         )
         self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
         self.kv_publisher = None
+        self.connector: KVConnector | None = None  # set below, once the tiers are built
         if config.kv_events_endpoint:
             from once.engine.kv.publisher import ZmqKVEventPublisher
 
             self.kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint)
             self.enable_kv_events()
+        if connector is None and config.has_kv_tiers:
+            from once.engine.kv.tier_setup import build_kv_tiers
+
+            block_shape = tuple(self.kv_cache.k[:, 0].shape)
+            connector = build_kv_tiers(config, self.model_path, block_shape, dtype, num_blocks)
         self.connector = connector
         self.kv = KVCacheManager(self.pool, connector, self._load_block)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        if connector is not None and connector.wants_evicted:
+            self.pool.on_evict = self._offload_evicted
+        if connector is not None and self.pool.record_events:
+            connector.record_events = True
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            load_timeout_s=config.kv_load_timeout_s,
+        )
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -216,6 +231,8 @@ class LLMEngine:
             self._propose_drafts()
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if self.scheduler.loading:
+                self.scheduler.wait_for_loads(0.01)  # only KV prefetches are in flight
             return deltas
         # Read before the forward runs (it moves every request on); only the governor uses it.
         decode_only = self.governor is not None and all(
@@ -388,6 +405,12 @@ class LLMEngine:
             v = self.kv_cache.v[:, block.block_id]
             self.connector.save(block.block_hash, k, v)
 
+    def _offload_evicted(self, block) -> None:
+        assert self.connector is not None  # the pool calls back only with a connector
+        k = self.kv_cache.k[:, block.block_id]
+        v = self.kv_cache.v[:, block.block_id]
+        self.connector.evicted(block.block_hash, k, v)
+
     def _load_block(self, block_id: int, block_hash: int) -> bool:
         assert self.connector is not None  # the manager loads only with a connector
         return self.connector.load(
@@ -417,6 +440,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
             "prefix_cache_hit_rate": self.kv.num_hit_tokens / queried if queried else 0.0,
             "external_kv_hit_tokens": self.kv.num_external_hit_tokens,
+            "kv_tier_prefetches": self.kv.num_prefetches,
+            "kv_tier_load_timeouts": self.scheduler.num_load_timeouts,
             "num_preemptions": self.scheduler.num_preemptions,
             "step_time_s_total": self.step_time_s,
             "block_size": self.config.block_size,
@@ -425,19 +450,30 @@ class LLMEngine:
             **self.spec.to_stats(),
             "num_grammars_compiled": self.grammars.num_compiled,
             **self.masks.stats(),
+            **(self.connector.stats() if self.connector is not None else {}),
         }
 
     def enable_kv_events(self) -> None:
         """Keep KV events for a consumer (they are dropped until one asks)."""
         self.pool.record_events = True
+        if self.connector is not None:
+            self.connector.record_events = True
 
     def take_kv_events(self):
-        return self.pool.take_events()
+        events = self.pool.take_events()
+        if self.connector is not None:
+            events += self.connector.take_events()
+        return events
 
     def publish_kv_events(self) -> None:
         """Send the events since the last call to the ZMQ publisher, if there is one."""
         if self.kv_publisher is not None:
-            self.kv_publisher.publish(self.pool.take_events())
+            self.kv_publisher.publish(self.take_kv_events())
+
+    def close(self) -> None:
+        """Finish the KV tiers' queued writes and stop their threads."""
+        if self.connector is not None:
+            self.connector.close()
 
     def generate(self, requests: list[GenerateRequest]) -> dict[str, list[TokenDelta]]:
         """Run requests to completion (offline use, tests, benchmarks)."""

@@ -2,6 +2,7 @@
 
 import enum
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -55,6 +56,10 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.prefix_hit_counted = False  # the first prefix match sets num_cached_tokens
+        # Blocks of its prefix being brought up from a slower KV tier (at most once).
+        self.kv_prefetch: Future | None = None
+        self.kv_prefetch_started = 0.0
+        self.kv_prefetch_settled = False
         self.num_emitted_tokens = 0
 
     @property

@@ -11,7 +11,10 @@ Each step:
   2. Then waiting requests, oldest first, while budget, sequence slots and blocks remain:
      each looks up its prefix in the cache and is scheduled for the uncached rest (up to
      the budget). A request that does not fit waits its turn; nothing behind it jumps the
-     queue, so a big request is never starved.
+     queue, so a big request is never starved. The one exception: a request whose prefix
+     is being brought up from a slower KV tier steps aside (`loading`) while the others
+     run, and goes back to the head of the queue when its blocks are in or its wait
+     (`load_timeout_s`) is over, whichever comes first; what did not arrive is recomputed.
 
 After the forward, `update_from_output` moves every scheduled request on by what ran and
 commits each sampled request's ids (see there). It changes request state only; what
@@ -21,6 +24,8 @@ builds its deltas.
 
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field
 
 from once.engine.kv.manager import KVCacheManager
@@ -74,19 +79,50 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        load_timeout_s: float = 2.0,
+    ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.load_timeout_s = load_timeout_s
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # waiting for a KV tier's prefetch, in order
         self.num_preemptions = 0
+        self.num_load_timeouts = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def _return_loaded(self) -> None:
+        now = time.monotonic()
+        back = []
+        for request in self.loading:
+            future = request.kv_prefetch
+            assert future is not None  # only a started prefetch parks a request
+            if future.done() or now - request.kv_prefetch_started >= self.load_timeout_s:
+                if not future.done():
+                    self.num_load_timeouts += 1
+                request.kv_prefetch_settled = True
+                back.append(request)
+        if back:
+            self.loading = [r for r in self.loading if not r.kv_prefetch_settled]
+            self.waiting.extendleft(reversed(back))
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Block until a parked request's prefetch is done (or `timeout_s`): what a step
+        with nothing else to run does instead of spinning."""
+        futures = [r.kv_prefetch for r in self.loading if r.kv_prefetch is not None]
+        if futures:
+            wait_for_futures(futures, timeout=timeout_s, return_when=FIRST_COMPLETED)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -116,11 +152,17 @@ class Scheduler:
             # The request preempted itself: it was the last one running.
             break
 
+        if self.loading:
+            self._return_loaded()
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.match_prefix(request)
+            if request.kv_prefetch is not None and not request.kv_prefetch_settled:
+                self.waiting.popleft()
+                self.loading.append(request)
+                continue
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate(request, num_new, hit_blocks):
                 break
@@ -224,6 +266,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.loading:
+            self.loading.remove(request)
         self.kv.free(request)
         request.clear_draft()
         request.status = RequestStatus.FINISHED

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
+from schemathesis.core.errors import UnsupportedSchema
 from schemathesis.core.failures import FailureGroup, ServerError
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -130,29 +131,45 @@ def served_model_bodies(model: str) -> Callable:
     return flatmap_body
 
 
+UNSUPPORTED_RETRIES = 5
+UNSUPPORTED_DRAWS = [0]  # runs cut short by UnsupportedSchema, over the process
+
+
 def run_cases(strategy, quota: int, seed: int, on_case: Callable) -> int:
-    """Draw up to `quota` cases from `strategy` (fewer when it runs out); how many ran."""
+    """Draw up to `quota` cases from `strategy` (fewer when it runs out); how many ran.
+
+    Schemathesis builds nested negative schemas lazily, and a few draws reach a `not` it
+    cannot complement (UnsupportedSchema, which ends the whole run): the rest of the quota
+    is then drawn under another seed, a few times at most."""
     ran = 0
 
-    @hypothesis_seed(seed)
-    @settings(
-        max_examples=quota,
-        database=None,
-        deadline=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    @given(strategy)
-    def run(case) -> None:
-        nonlocal ran
-        if ran < quota:
-            ran += 1
-            on_case(case)
+    def attempt(attempt_seed: int, attempt_quota: int) -> None:
+        @hypothesis_seed(attempt_seed)
+        @settings(
+            max_examples=attempt_quota,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(strategy)
+        def run(case) -> None:
+            nonlocal ran
+            if ran < quota:
+                ran += 1
+                on_case(case)
 
-    try:
         run()
-    except Unsatisfiable:
-        pass  # no case of this kind exists (a negative case of a route without inputs)
+
+    for retry in range(UNSUPPORTED_RETRIES):
+        try:
+            attempt(seed + retry * 1_000_003, quota - ran)
+        except Unsatisfiable:
+            break  # no case of this kind exists (a negative case of a route without inputs)
+        except UnsupportedSchema:
+            UNSUPPORTED_DRAWS[0] += 1
+            continue
+        break
     return ran
 
 
@@ -306,6 +323,7 @@ def run_fuzz(requests: int = 5000, seed: int = 0, ws_frames: int | None = None) 
         "fuzz_2xx": tally.statuses[2],
         "fuzz_4xx": tally.statuses[4],
         "fuzz_no_answer": tally.no_answer,
+        "fuzz_unsupported_draws": UNSUPPORTED_DRAWS[0],
         "http_schema_violations": tally.schema_violations,
         "ws_schema_violations": frames.schema_violations,
         "ws_responses": frames.responses,

@@ -10,7 +10,7 @@ prompt the tail is evicted before the head, which other prompts are likelier to 
 """
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from once.protocol.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -48,6 +48,9 @@ class BlockPool:
         # its KVConnector once the forward that fills them has run.
         self.track_newly_cached = False
         self.newly_cached: list[KVBlock] = []
+        # Called with a cached block about to lose its hash, K/V still intact (the
+        # write-back of KV tiers).
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -117,6 +120,8 @@ class BlockPool:
         if block.block_hash is None:
             return
         if self.cached.get(block.block_hash) is block:
+            if self.on_evict is not None:
+                self.on_evict(block)
             del self.cached[block.block_hash]
             self._record(BlockRemoved([block.block_hash]))
             self.num_evictions += 1

@@ -5,13 +5,25 @@ One interface serves KV tiers (device -> host -> disk) and prefill/decode disagg
 block is computed and cached (`save`), and when a prefix lookup misses the device pool
 (`load` of the longest run of hashes the connector holds). The no-op connector holds
 nothing, which is exactly the engine without tiers.
+
+Tiers (tiered_connector.py) use the optional rest: `evicted` for write-back (a block
+leaving the device pool, K/V still intact), `prefetch` to bring a run up from a slower
+tier off the step loop (the request waits aside until the future is done), per-tier
+`stats` and KV events with their medium.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 
 class KVConnector(ABC):
+    # Which device-pool moments it hears of: blocks as they fill (`save`), blocks as they
+    # are evicted (`evicted`).
+    wants_new_blocks = True
+    wants_evicted = False
+    record_events = False
+
     @abstractmethod
     def lookup(self, block_hashes: Sequence[int]) -> int:
         """How many leading blocks of `block_hashes` this connector can load."""
@@ -23,6 +35,24 @@ class KVConnector(ABC):
     @abstractmethod
     def load(self, block_hash: int, layers_k, layers_v) -> bool:
         """Copy the block's K/V into the given per-layer tensors; False if gone."""
+
+    def evicted(self, block_hash: int, layers_k, layers_v) -> None:
+        """A cached block is leaving the device pool (only when `wants_evicted`)."""
+        return None
+
+    def prefetch(self, block_hashes: Sequence[int]) -> Future | None:
+        """Start making more of `block_hashes` loadable; None when there is nothing to
+        wait for."""
+        return None
+
+    def stats(self) -> dict:
+        return {}
+
+    def take_events(self) -> list:
+        return []
+
+    def close(self) -> None:
+        return None
 
 
 class NoOpConnector(KVConnector):

@@ -10,6 +10,7 @@ A block is registered in the prefix cache as soon as it is full and the step tha
 has been scheduled: the forward runs before any later request can match it.
 """
 
+import time
 from collections.abc import Callable, Sequence
 
 from once.engine.kv.blocks import BlockPool, KVBlock
@@ -34,8 +35,9 @@ class KVCacheManager:
         self.has_connector = not isinstance(self.connector, NoOpConnector)
         if self.has_connector and load_block is None:
             raise ValueError("a KV connector needs load_block to copy its blocks in")
-        pool.track_newly_cached = self.has_connector
+        pool.track_newly_cached = self.has_connector and self.connector.wants_new_blocks
         self.num_external_hit_tokens = 0
+        self.num_prefetches = 0  # requests that waited for blocks from a slower tier
         self.req_blocks: dict[str, list[KVBlock]] = {}
         # Leading blocks of each request already offered to the prefix cache: each step
         # looks only at blocks that became full since, not the whole table.
@@ -75,10 +77,21 @@ class KVCacheManager:
         # Device miss: ask the connector (host/disk tier, or a prefill node) for the next
         # run of blocks, copy them into fresh device blocks and cache them there. They are
         # released to ref 0 at once (cached, in the free queue) and taken like any hit.
+        # A run that goes on in a slower tier (disk, a shared store) is first brought up
+        # off the step loop: the request waits aside (request.kv_prefetch, see the
+        # scheduler) and, matched again once it is back, loads it all from here.
         load_block = self.load_block
         assert load_block is not None  # __init__ requires it with a connector
         wanted = request.block_hashes[len(hits) : max_blocks]
-        num_available = min(self.connector.lookup(wanted), self.pool.num_free_blocks)
+        num_ready = self.connector.lookup(wanted)
+        if num_ready < len(wanted) and request.kv_prefetch is None:
+            future = self.connector.prefetch(wanted[num_ready:])
+            if future is not None:
+                request.kv_prefetch = future
+                request.kv_prefetch_started = time.monotonic()
+                self.num_prefetches += 1
+                return []
+        num_available = min(num_ready, self.pool.num_free_blocks)
         loaded: list[KVBlock] = []
         for i, block in enumerate(self.pool.get_new_blocks(num_available)):
             index = len(hits) + i
