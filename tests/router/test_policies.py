@@ -207,6 +207,20 @@ def test_once_policy_weighs_cache_against_queue_at_each_speed():
     assert policy.choose(request(160), [slow, fast], rng) == 1
 
 
+def test_once_policy_counts_a_prefix_in_a_lower_kv_tier_as_its_load_time():
+    policy = PredictedTTFT(prefix_affinity_margin=0.0)
+    # 8 of 10 blocks in host memory, loaded in 0.02 s: 32 tokens left to prefill.
+    tiered = replica(0, tier_prefix_blocks=(6, 2), tier_load_s=0.02)
+    assert tiered.matched_prefix_blocks == 8
+    assert policy.predicted_ttft_s(request(160), tiered) == pytest.approx(0.032 + 0.02)
+    # Against a device hit of 2 blocks (0.128 s of prefill) the tier hit wins.
+    device = replica(1, cached_prefix_blocks=2)
+    assert policy.choose(request(160), [tiered, device], random.Random(0)) == 0
+    # A load slower than recomputing loses to it.
+    slow_load = replica(0, tier_prefix_blocks=(8,), tier_load_s=1.0)
+    assert policy.choose(request(160), [slow_load, replica(1)], random.Random(0)) == 1
+
+
 def test_once_policy_keeps_a_keyless_request_with_its_prefix_unless_far_slower():
     policy = PredictedTTFT()  # prefix_affinity_margin 0.9: leave only for 10x faster
     rng = random.Random(0)

@@ -24,6 +24,9 @@ INTERFACE (fixed; the simulator in `once.sim` is built on it):
         cached_prefix_blocks: int          # of THIS request, from the replica's prefix index
         prefill_tokens_per_s: float        # measured (live) or profiled (sim)
         decode_tokens_per_s: float         # aggregate over the replica's running batch
+        tier_prefix_blocks: tuple[int, ...] = ()  # the match's continuation in each KV
+                                           # tier below the device (sim: host, disk)
+        tier_load_s: float = 0.0           # time to load those blocks into the device
 
     class Policy(Protocol):
         name: str
@@ -77,6 +80,13 @@ class ReplicaView:
     cached_prefix_blocks: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
+    tier_prefix_blocks: tuple[int, ...] = ()
+    tier_load_s: float = 0.0
+
+    @property
+    def matched_prefix_blocks(self) -> int:
+        """The prefix this replica need not recompute: on the device or in a lower tier."""
+        return self.cached_prefix_blocks + sum(self.tier_prefix_blocks)
 
 
 class Policy(Protocol):
@@ -311,11 +321,12 @@ class PredictedTTFT:
 
     The uncached part comes from the replica's prefix index, so cache affinity and load are
     weighed in one unit (seconds) at each replica's own measured speed; a slow replica
-    looks as far away as it is. decode_weight is 0 by default: in a chunked-prefill engine
-    pending decodes do not queue ahead of a prefill but share its steps (which the
-    measured prefill speed already includes), and the per-stream decode speed the router
-    measures is a poor proxy for the delay they add (it mixes in the prefill chunks those
-    streams shared steps with).
+    looks as far away as it is. A prefix held in a KV tier below the device (host memory,
+    disk) is not uncached: it costs its load time (`tier_load_s`), added to the prefill.
+    decode_weight is 0 by default: in a chunked-prefill engine pending decodes do not queue
+    ahead of a prefill but share its steps (which the measured prefill speed already
+    includes), and the per-stream decode speed the router measures is a poor proxy for the
+    delay they add (it mixes in the prefill chunks those streams shared steps with).
 
     Session affinity: a session's later requests stay on its home replica (the one that
     served it last) unless another replica's predicted prefill time (the first term alone)
@@ -327,12 +338,12 @@ class PredictedTTFT:
     home's TTFT and moves sessions off their cache).
 
     Prefix affinity, for requests without a session key (the Mooncake trace has none):
-    the replica holding the longest cached prefix, when it is longer than the chosen
-    replica's, is the request's home, left only if another replica's predicted prefill is
-    shorter by more than `prefix_affinity_margin` (0.9: only for a replica predicted 10x
-    faster). A conversation's turns then keep landing where its history is, instead of
-    wherever a momentary queue is shortest, which copies the history onto several
-    replicas and divides the cache's reach.
+    the replica holding the longest cached prefix (device and lower tiers together), when
+    it is longer than the chosen replica's, is the request's home, left only if another
+    replica's predicted prefill is shorter by more than `prefix_affinity_margin` (0.9: only
+    for a replica predicted 10x faster). A conversation's turns then keep landing where its
+    history is, instead of wherever a momentary queue is shortest, which copies the history
+    onto several replicas and divides the cache's reach.
 
     The margins and the decode weight are once's own (there is no published default);
     DESIGN.md ("Tuning record") has the runs they were chosen on.
@@ -362,11 +373,12 @@ class PredictedTTFT:
 
     def predicted_prefill_s(self, request: RequestView, replica: ReplicaView) -> float:
         uncached = max(
-            1, request.num_prompt_tokens - replica.cached_prefix_blocks * request.block_size
+            1, request.num_prompt_tokens - replica.matched_prefix_blocks * request.block_size
         )
-        return (replica.num_queued_prefill_tokens + uncached) / max(
+        compute_s = (replica.num_queued_prefill_tokens + uncached) / max(
             replica.prefill_tokens_per_s, 1e-9
         )
+        return compute_s + replica.tier_load_s
 
     def predicted_ttft_s(self, request: RequestView, replica: ReplicaView) -> float:
         decode_s = replica.num_decode_tokens / max(replica.decode_tokens_per_s, 1e-9)
@@ -393,10 +405,10 @@ class PredictedTTFT:
 
     def _prefix_home(self, request, candidates, chosen: int, rng) -> int:
         best = next(r for r in candidates if r.index == chosen)
-        deepest = max(r.cached_prefix_blocks for r in candidates)
-        if deepest <= best.cached_prefix_blocks:
+        deepest = max(r.matched_prefix_blocks for r in candidates)
+        if deepest <= best.matched_prefix_blocks:
             return chosen
-        holders = [r for r in candidates if r.cached_prefix_blocks == deepest]
+        holders = [r for r in candidates if r.matched_prefix_blocks == deepest]
         home_index = pick_lowest(holders, lambda r: self.predicted_ttft_s(request, r), rng)
         home = next(r for r in holders if r.index == home_index)
         best_s = self.predicted_prefill_s(request, best)

@@ -1,10 +1,13 @@
 """`once sim`: replay a trace on a simulated cluster and compare routing policies.
 
     once sim [--trace mooncake|agents] [--replicas 8] [--load 0.8] [--policies ...] [--json]
+             [--host-tier-ratio R [--disk-tier-ratio R]]
 
 The defaults measure the issue's first bar: the first 30 minutes of the Mooncake
 conversation trace, 8 replicas of the H200 profile, offered load 80% of capacity, every
-policy at its own published defaults.
+policy at its own published defaults. `--host-tier-ratio` adds a host-memory KV tier of R
+times the device pool below each replica (and `--disk-tier-ratio` a disk tier below it);
+once then also runs without tiers, and the report gives both p90 TTFTs.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 from once.sim.compare import DEFAULT_POLICIES, Scenario, compare_policies
 from once.sim.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from once.sim.profiles import DEFAULT_PROFILE, load_profiles
+from once.sim.tiers import TierConfig
 from once.sim.workload import load_agent_sessions, load_mooncake
 
 _COLUMNS = (
@@ -49,6 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_EVICTION,
         help="KV eviction on every replica (belady sees the future: a reference bound only)",
     )
+    parser.add_argument(
+        "--host-tier-ratio",
+        type=float,
+        default=0.0,
+        help="host-memory KV tier per replica, in device pools (0: none)",
+    )
+    parser.add_argument(
+        "--disk-tier-ratio",
+        type=float,
+        default=0.0,
+        help="local-disk KV tier below the host tier, in device pools (0: none)",
+    )
+    parser.add_argument("--host-eviction", choices=EVICTION_POLICIES, default="lru")
+    parser.add_argument("--disk-eviction", choices=EVICTION_POLICIES, default="lru")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -88,7 +106,10 @@ def run(args: argparse.Namespace) -> dict:
         requests = load_agent_sessions(
             args.trace_path, limit=args.limit, block_size=profile.block_size
         )
-    scenario = Scenario(profile, args.replicas, args.load, args.seed, args.eviction)
+    tiers = TierConfig(
+        args.host_tier_ratio, args.disk_tier_ratio, args.host_eviction, args.disk_eviction
+    )
+    scenario = Scenario(profile, args.replicas, args.load, args.seed, args.eviction, tiers)
     report = compare_policies(requests, scenario, args.policies)
     report["trace"] = args.trace
     return report
@@ -116,6 +137,20 @@ def format_report(report: dict) -> str:
             f"({report['best_other_p90_ttft_policy']}), goodput "
             f"{report['goodput_ratio_vs_best']:.3f}x ({report['best_other_goodput_policy']}); "
             f"hit ratio {report['hit_ratio_vs_bound']:.3f} of the bound"
+        )
+    if "tier_ttft_p90_ratio" in report:
+        tier_rows = report["policies"][[r["policy"] for r in report["policies"]].index("once")]
+        supplied = ", ".join(
+            f"{name} {row['hit_tokens'] / 1e6:.1f}M tokens ({row['loaded_bytes'] / 1e12:.1f} TB, "
+            f"{row['mean_load_s'] * 1000:.1f} ms a load)"
+            for name, row in tier_rows.get("tiers", {}).items()
+        )
+        lines.append(
+            f"tiers (host {report['host_tier_ratio']:g}x, disk {report['disk_tier_ratio']:g}x "
+            f"the device pool): once's p90 TTFT {report['ttft_p90_s_tiers']:.2f} s vs "
+            f"{report['ttft_p90_s_no_tiers']:.2f} s without, "
+            f"{report['tier_ttft_p90_ratio']:.3f}x; hit ratio {tier_rows['hit_ratio']:.3f} "
+            f"(device {tier_rows['device_hit_ratio']:.3f}); loaded: {supplied}"
         )
     retention = report.get("retention")
     if retention:

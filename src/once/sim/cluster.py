@@ -4,8 +4,10 @@ Events on a heap, ordered by (virtual time, sequence number): a request arrives 
 picks a replica from `ReplicaView`s built like the live router's, with the replica's exact
 prefix match, as an index fed by KV events would give), or a replica's step ends (its
 finished requests are recorded, a closed-loop session's next call is scheduled, the next
-step is planned). A step-end event carries the replica's version; one that a later plan
-replaced is skipped. Nothing sleeps: a 30-minute trace runs in seconds.
+step is planned), or a request's load from a lower KV tier is in (the replica is woken as by
+an arrival, so the request joins its next step). A step-end event carries the replica's
+version; one that a later plan replaced is skipped. Nothing sleeps: a 30-minute trace runs
+in seconds.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from once.router.policies import Policy, ReplicaView, RequestView
 from once.sim.eviction import eviction_factory
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica
+from once.sim.tiers import TierConfig, build_tiers
 from once.sim.workload import SimRequest
+
+LOAD_DONE = -1  # in place of a step-end event's version (versions count up from 0)
 
 
 @dataclass(frozen=True)
@@ -47,14 +52,31 @@ class Cluster:
         kv_blocks: int | None = None,
         span_decodes: bool = True,
         eviction: str = "lru",  # the engines' own LRU; `once sim` defaults to DEFAULT_EVICTION
+        tiers: TierConfig | None = None,  # KV tiers below each device pool; None: none
     ):
         if not profiles:
             raise ValueError("a cluster needs at least one replica")
         make_eviction = eviction_factory(eviction, seed)
-        self.replicas = [
-            SimReplica(i, p, kv_blocks, span_decodes=span_decodes, eviction=make_eviction())
-            for i, p in enumerate(profiles)
-        ]
+        tiers = tiers or TierConfig()
+        # One factory per tier, so an oracle policy's future is shared within a tier only.
+        tier_factories = {
+            "host": eviction_factory(tiers.host_eviction, seed + 1),
+            "disk": eviction_factory(tiers.disk_eviction, seed + 2),
+        }
+        self.replicas = []
+        for i, profile in enumerate(profiles):
+            device_blocks = kv_blocks or profile.kv_blocks
+            lower = build_tiers(profile, device_blocks, tiers, lambda t: tier_factories[t]())
+            self.replicas.append(
+                SimReplica(
+                    i,
+                    profile,
+                    kv_blocks,
+                    span_decodes=span_decodes,
+                    eviction=make_eviction(),
+                    tiers=lower,
+                )
+            )
         self.policy = policy
         self.rng = random.Random(seed)
         # (time, sequence, payload): a request arriving, or (replica index, version) of a
@@ -70,6 +92,8 @@ class Cluster:
             raise ValueError(f"requests follow unknown request ids, e.g. {missing[0]!r}")
         for replica in self.replicas:
             replica.cache.policy.prepare(requests)  # only an oracle (Belady) looks
+            for store in replica.tiers.stores if replica.tiers is not None else ():
+                store.policy.prepare(requests)
         for request in requests:
             if request.after is None:
                 self._push(request.arrival_s, request)
@@ -87,6 +111,9 @@ class Cluster:
             else:
                 replica_index, version = payload
                 replica = self.replicas[replica_index]
+                if version == LOAD_DONE:
+                    self._wake(replica, now)
+                    continue
                 if version != replica.version:
                     continue  # superseded by a later plan
                 for state in replica.finish_step(now):
@@ -95,22 +122,30 @@ class Cluster:
         return SimResult(states, self.replicas, decisions, now)
 
     def views(self, request: SimRequest, now: float) -> list[ReplicaView]:
-        return [
-            ReplicaView(
-                index=replica.index,
-                name=replica.name,
-                healthy=True,
-                num_running=len(replica.running) + len(replica.waiting),
-                num_queued_prefill_tokens=replica.num_queued_prefill_tokens(),
-                num_decode_tokens=replica.num_decode_tokens(now),
-                kv_blocks_used=replica.cache.num_used,
-                kv_blocks_total=replica.cache.capacity,
-                cached_prefix_blocks=replica.cache.match_prefix(request.block_hashes),
-                prefill_tokens_per_s=replica.profile.prefill_tokens_per_s,
-                decode_tokens_per_s=replica.profile.decode_tokens_per_s,
-            )
-            for replica in self.replicas
-        ]
+        return [self._view(replica, request, now) for replica in self.replicas]
+
+    def _view(self, replica: SimReplica, request: SimRequest, now: float) -> ReplicaView:
+        num_device = replica.cache.match_prefix(request.block_hashes)
+        tier_blocks: tuple[int, ...] = ()
+        tier_load_s = 0.0
+        if replica.tiers is not None:
+            counts = replica.tiers.match(request.block_hashes, num_device)
+            tier_blocks, tier_load_s = tuple(counts), replica.tiers.load_s(counts)
+        return ReplicaView(
+            index=replica.index,
+            name=replica.name,
+            healthy=True,
+            num_running=len(replica.running) + len(replica.waiting),
+            num_queued_prefill_tokens=replica.num_queued_prefill_tokens(),
+            num_decode_tokens=replica.num_decode_tokens(now),
+            kv_blocks_used=replica.cache.num_used,
+            kv_blocks_total=replica.cache.capacity,
+            cached_prefix_blocks=num_device,
+            prefill_tokens_per_s=replica.profile.prefill_tokens_per_s,
+            decode_tokens_per_s=replica.profile.decode_tokens_per_s,
+            tier_prefix_blocks=tier_blocks,
+            tier_load_s=tier_load_s,
+        )
 
     def _route(self, request: SimRequest, now: float) -> RequestState:
         view = RequestView(
@@ -129,18 +164,27 @@ class Cluster:
             state.finish_s = now
             return state
         replica.enqueue(state)
+        self._wake(replica, now)
+        return state
+
+    def _wake(self, replica: SimReplica, now: float) -> None:
+        # Something can join the replica's next step: start one if idle, else end a decode
+        # span after the step in progress.
         if replica.plan is None:
             self._start(replica, now)
         else:
             end_s = replica.cut_span(now)
             if end_s is not None:
                 self._push(end_s, (replica.index, replica.version))
-        return state
 
     def _start(self, replica: SimReplica, now: float) -> None:
         end_s = replica.start_step(now)
         if end_s is not None:
             self._push(end_s, (replica.index, replica.version))
+        if replica.tiers is not None and replica.tiers.pending:
+            for ready_s in replica.tiers.pending:
+                self._push(ready_s, (replica.index, LOAD_DONE))
+            replica.tiers.pending.clear()
 
     def _follow(self, state: RequestState, followers: dict, now: float) -> None:
         follower = followers.get(state.request.request_id)

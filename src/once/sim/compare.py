@@ -1,10 +1,14 @@
-"""Every routing policy on the same trace at the same offered load, and the bar's ratios."""
+"""Every routing policy on the same trace at the same offered load, and the bar's ratios.
+
+With KV tiers below the device pools, once also runs the same scenario without them, so the
+report shows what the tiers change for it in the same invocation.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from once.router.policies import POLICIES, make_policy
 from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
@@ -13,6 +17,7 @@ from once.sim.eviction import DEFAULT_EVICTION
 from once.sim.metrics import summarize
 from once.sim.profiles import ReplicaProfile
 from once.sim.retention import retention_report
+from once.sim.tiers import TierConfig
 from once.sim.workload import SimRequest, scale_arrivals
 
 ONCE_POLICY = "once"
@@ -26,6 +31,7 @@ class Scenario:
     load: float = 0.8
     seed: int = 0
     eviction: str = DEFAULT_EVICTION
+    tiers: TierConfig = field(default_factory=TierConfig)
 
 
 def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: str) -> dict:
@@ -35,6 +41,7 @@ def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: 
         make_policy(policy_name),
         seed=scenario.seed,
         eviction=scenario.eviction,
+        tiers=scenario.tiers,
     )
     result = cluster.run(requests)
     row = summarize(result, requests, ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s)
@@ -73,25 +80,52 @@ def compare_policies(
         "policies": table,
     }
     report.update(bar_ratios(table))
+    if scenario.tiers.enabled and ONCE_POLICY in policy_names:
+        report.update(tier_comparison(scaled, scenario, table))
     return report
+
+
+def tier_comparison(
+    requests: Sequence[SimRequest], scenario: Scenario, table: Sequence[dict]
+) -> dict:
+    """once with the scenario's tiers (from `table`) against once without any."""
+    tiers = scenario.tiers
+    with_tiers = next(row for row in table if row["policy"] == ONCE_POLICY)
+    without = run_policy(requests, replace(scenario, tiers=TierConfig()), ONCE_POLICY)
+    return {
+        "host_tier_ratio": tiers.host_ratio,
+        "disk_tier_ratio": tiers.disk_ratio,
+        "host_eviction": tiers.host_eviction,
+        "disk_eviction": tiers.disk_eviction,
+        "kv_block_bytes": scenario.profile.kv_block_bytes,
+        "ttft_p90_s_no_tiers": without["ttft_p90_s"],
+        "ttft_p90_s_tiers": with_tiers["ttft_p90_s"],
+        "tier_ttft_p90_ratio": _ratio(with_tiers["ttft_p90_s"], without["ttft_p90_s"]),
+        "hit_ratio_no_tiers": without["hit_ratio"],
+        "hit_ratio_vs_bound_no_tiers": _ratio(without["hit_ratio"], without["hit_ratio_bound"]),
+        "once_no_tiers": without,
+    }
 
 
 def bar_ratios(table: Sequence[dict]) -> dict:
     """once against the best of the others: p90 TTFT (lower is better: the lowest other),
-    goodput (the highest other), and once's hit ratio against the unlimited-cache bound."""
+    goodput (the highest other); and once's hit ratio against the unlimited-cache bound,
+    reported even when once runs alone."""
     once = next((row for row in table if row["policy"] == ONCE_POLICY), None)
-    others = [row for row in table if row["policy"] != ONCE_POLICY]
-    if once is None or not others:
+    if once is None:
         return {}
+    ratios = {"hit_ratio_vs_bound": _ratio(once["hit_ratio"], once["hit_ratio_bound"])}
+    others = [row for row in table if row["policy"] != ONCE_POLICY]
+    if not others:
+        return ratios
     best_ttft = min(others, key=lambda row: row["ttft_p90_s"])
     best_goodput = max(others, key=lambda row: row["goodput_rps"])
-    bound = once["hit_ratio_bound"]
     return {
         "best_other_p90_ttft_policy": best_ttft["policy"],
         "p90_ttft_ratio_vs_best": _ratio(once["ttft_p90_s"], best_ttft["ttft_p90_s"]),
         "best_other_goodput_policy": best_goodput["policy"],
         "goodput_ratio_vs_best": _ratio(once["goodput_rps"], best_goodput["goodput_rps"]),
-        "hit_ratio_vs_bound": _ratio(once["hit_ratio"], bound),
+        **ratios,
     }
 
 

@@ -10,6 +10,7 @@ another request published first. As in vLLM, a finished request releases its sha
 tail first, so under LRU a prompt's tail is evicted before its head.
 
 Invariant: num_used + len(policy) <= capacity, where num_used = len(refs) + num_private.
+With a tier below (`once.sim.tiers`), every evicted block is written back to it.
 
 This module holds the policy contract, LRU (the default of a bare `BlockCache`, as in vLLM
 and the once engine) and the base of the prefix-aware policies; the others are in
@@ -22,7 +23,15 @@ import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
+
+# (parent hash, depth in its prompt, is the prompt's last block): what a policy's `stored`
+# is told, kept with a block so a lower tier can tell its own policy the same.
+Lineage = tuple[int | None, int, bool]
+
+
+class EvictedBlockSink(Protocol):
+    def put(self, block_hash: int, lineage: Lineage, now: float) -> None: ...
 
 
 class EvictionPolicy:
@@ -202,11 +211,18 @@ class LeafFirstPolicy(EvictionPolicy):
 
 
 class BlockCache:
-    def __init__(self, capacity: int, policy: EvictionPolicy | None = None):
+    def __init__(
+        self,
+        capacity: int,
+        policy: EvictionPolicy | None = None,
+        below: EvictedBlockSink | None = None,  # where evicted blocks go; None: dropped
+    ):
         if capacity < 1:
             raise ValueError(f"KV capacity must be >= 1 block, got {capacity}")
         self.capacity = capacity
         self.policy = policy if policy is not None else LRU()
+        self.below = below
+        self.lineage: dict[int, Lineage] = {}  # of every shared block, kept only with `below`
         self.refs: dict[int, int] = {}  # shared block hash -> running requests holding it
         self.cached: set[int] = set()  # every shared block: held or evictable
         self.num_private = 0
@@ -274,6 +290,8 @@ class BlockCache:
             self.num_private -= 1
             parent = hashes[depth - 1] if depth else None
             self.policy.stored(block_hash, parent, depth, depth == last, now)
+            if self.below is not None:
+                self.lineage[block_hash] = (parent, depth, depth == last)
             held.append(block_hash)
 
     def release(self, held: list[int], num_blocks: int, now: float = 0.0) -> None:
@@ -289,5 +307,8 @@ class BlockCache:
     def _evict_to_capacity(self, now: float) -> None:
         policy = self.policy
         while self.num_used + len(policy) > self.capacity and len(policy):
-            self.cached.discard(policy.evict(now))
+            victim = policy.evict(now)
+            self.cached.discard(victim)
             self.num_evictions += 1
+            if self.below is not None:
+                self.below.put(victim, self.lineage.pop(victim), now)

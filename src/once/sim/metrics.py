@@ -31,6 +31,7 @@ def summarize(
     served = [s for s in states if not s.rejected and s.finish_s is not None]
     num_prompt = sum(s.request.num_prompt_tokens for s in served)
     num_cached = sum(s.num_cached_tokens for s in served)
+    num_device_cached = sum(s.num_device_cached_tokens for s in served)
     ttfts: list[float] = []
     tpots: list[float] = []  # of the requests with more than one output token
     good = 0
@@ -54,7 +55,9 @@ def summarize(
     return {
         "num_requests": len(states),
         "num_rejected": len(states) - len(served),
+        # Tokens not recomputed: device hits and, with tiers, blocks loaded from them.
         "hit_ratio": num_cached / num_prompt if num_prompt else 0.0,
+        "device_hit_ratio": num_device_cached / num_prompt if num_prompt else 0.0,
         "hit_ratio_bound": sum(bound) / num_bound_prompt if num_bound_prompt else 0.0,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p90_s": percentile(ttfts, 90),
@@ -68,4 +71,37 @@ def summarize(
         "prefilled_tokens": sum(replica.num_prefilled_tokens for replica in result.replicas),
         "kv_evictions": sum(replica.cache.num_evictions for replica in result.replicas),
         "duration_s": duration_s,
+        **tier_report(result),
     }
+
+
+def tier_report(result: SimResult) -> dict:
+    """Per lower tier, summed over the replicas: what it supplied and what that cost.
+    Empty without tiers, so a run without them reports what it did before tiers existed."""
+    totals: dict[str, dict] = {}
+    for replica in result.replicas:
+        for store in replica.tiers.stores if replica.tiers is not None else ():
+            stats = store.stats
+            row = totals.setdefault(
+                store.name,
+                {
+                    "capacity_blocks_per_replica": store.capacity,
+                    "hit_blocks": 0,
+                    "hit_tokens": 0,
+                    "loaded_bytes": 0,
+                    "load_s": 0.0,
+                    "num_loads": 0,
+                    "written_blocks": 0,
+                    "evictions": 0,
+                },
+            )
+            row["hit_blocks"] += stats.num_hit_blocks
+            row["hit_tokens"] += stats.num_hit_tokens
+            row["loaded_bytes"] += stats.num_loaded_bytes
+            row["load_s"] += stats.load_s
+            row["num_loads"] += stats.num_loads
+            row["written_blocks"] += stats.num_writes
+            row["evictions"] += stats.num_evictions
+    for row in totals.values():
+        row["mean_load_s"] = row["load_s"] / row["num_loads"] if row["num_loads"] else 0.0
+    return {"tiers": totals} if totals else {}

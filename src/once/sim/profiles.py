@@ -11,6 +11,11 @@ The numbers and their sources live in `profiles.toml` next to this file. One eng
 
 where a prefill chunk of n tokens after c computed tokens attends to n * (c + (n + 1) / 2)
 keys (causal attention: token i of the chunk sees c + i + 1 keys).
+
+The fields after `tpot_slo_s` are optional (0: not given) and only the KV tiers below the
+device pool (`once.sim.tiers`) read them: the model's KV shape, from which a block's bytes
+follow (or `kv_bytes_per_block` where the shape is not known), and each tier's bandwidth
+and per-load latency.
 """
 
 from __future__ import annotations
@@ -22,6 +27,21 @@ from importlib import resources
 DEFAULT_PROFILE = "h200-llama3.1-8b"
 CPU_PROFILE = "cpu-once-smollm2"
 MAX_KV_BLOCKS = 2000  # the issue's cap per replica, in blocks of 512 tokens
+
+
+_OPTIONAL_FIELDS = frozenset(
+    {
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "kv_dtype_bytes",
+        "kv_bytes_per_block",
+        "host_bandwidth_bytes_per_s",
+        "host_load_latency_s",
+        "disk_bandwidth_bytes_per_s",
+        "disk_load_latency_s",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -39,17 +59,45 @@ class ReplicaProfile:
     kv_blocks: int
     ttft_slo_s: float
     tpot_slo_s: float
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype_bytes: int = 0
+    kv_bytes_per_block: int = 0  # used when the shape above is not given
+    host_bandwidth_bytes_per_s: float = 0.0
+    host_load_latency_s: float = 0.0
+    disk_bandwidth_bytes_per_s: float = 0.0
+    disk_load_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, int | float) and not value > 0:
-                raise ValueError(f"profile {self.name!r}: {field.name} must be > 0, got {value}")
+            if not isinstance(value, int | float):
+                continue
+            optional = field.name in _OPTIONAL_FIELDS
+            if (optional and value < 0) or (not optional and not value > 0):
+                bound = ">= 0" if optional else "> 0"
+                raise ValueError(
+                    f"profile {self.name!r}: {field.name} must be {bound}, got {value}"
+                )
         if self.kv_blocks * self.block_size > MAX_KV_BLOCKS * 512:
             raise ValueError(
                 f"profile {self.name!r}: {self.kv_blocks} blocks of {self.block_size} tokens "
                 f"exceed the cap of {MAX_KV_BLOCKS} blocks of 512 tokens per replica"
             )
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one KV block: K and V of every layer for block_size tokens."""
+        shape = (self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes)
+        if all(shape):
+            layers, heads, head_dim, dtype_bytes = shape
+            return 2 * layers * heads * head_dim * dtype_bytes * self.block_size
+        if self.kv_bytes_per_block:
+            return self.kv_bytes_per_block
+        raise ValueError(
+            f"profile {self.name!r} gives neither the model's KV shape nor kv_bytes_per_block"
+        )
 
     def prefill_s(self, num_tokens: int, num_computed: int) -> float:
         """Compute time of a prefill chunk of `num_tokens` after `num_computed` tokens."""

@@ -7,6 +7,10 @@ can hold them (prompt plus output blocks are reserved at admission, so nothing i
 The step lasts what the profile's cost model says; a request's first token comes out of the
 step that finishes its prefill, the others one per decode step.
 
+A request whose prefix continues in a tier below the device pool (`once.sim.tiers`) is
+admitted, then waits off the step loop for its load: it joins prefill in the first step
+that starts once its blocks are in (`ready_s`).
+
 Speed: when a step has no prefill and nothing waiting can be admitted, the batch cannot
 change until its first sequence finishes, so the replica plans that many decode steps as one
 span (its length summed in closed form). An arrival during a span cuts it after the step in
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 from once.sim.kvcache import BlockCache, EvictionPolicy
 from once.sim.profiles import ReplicaProfile
+from once.sim.tiers import LowerTiers
 from once.sim.workload import SimRequest
 
 
@@ -29,8 +34,10 @@ class RequestState:
     arrival_s: float
     replica: int
     num_blocks: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # not recomputed: device hits and tier loads
+    num_device_cached_tokens: int = 0
     num_computed: int = 0  # prompt tokens in KV (cached + prefilled)
+    ready_s: float = 0.0  # when its tier loads are in; it joins prefill from then on
     num_generated: int = 0
     held: list[int] = field(default_factory=list)
     first_token_s: float | None = None
@@ -72,12 +79,15 @@ class SimReplica:
         *,
         span_decodes: bool = True,  # False: one event per step (the reference, for tests)
         eviction: EvictionPolicy | None = None,  # None: LRU
+        tiers: LowerTiers | None = None,  # below the device pool; None: evicted is gone
     ):
         self.index = index
         self.span_decodes = span_decodes
         self.name = f"replica-{index}"
         self.profile = profile
-        self.cache = BlockCache(kv_blocks or profile.kv_blocks, eviction)
+        self.tiers = tiers
+        below = tiers.top if tiers is not None else None
+        self.cache = BlockCache(kv_blocks or profile.kv_blocks, eviction, below)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.plan: StepPlan | None = None
@@ -86,6 +96,7 @@ class SimReplica:
         self.num_prefilled_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.num_device_cached_tokens = 0
 
     # -- what the router sees ---------------------------------------------------------------
 
@@ -126,7 +137,7 @@ class SimReplica:
         prefills: list[tuple[RequestState, int]] = []
         for state in self.running:
             remaining = state.request.num_prompt_tokens - state.num_computed
-            if remaining and budget > 0:
+            if remaining and budget > 0 and state.ready_s <= now:
                 prefills.append((state, min(remaining, budget)))
                 budget -= prefills[-1][1]
         while self.waiting and budget > 0 and len(self.running) < profile.max_num_seqs:
@@ -135,6 +146,8 @@ class SimReplica:
                 break  # FCFS: the head waits for space, nothing overtakes it
             self.waiting.popleft()
             self.running.append(state)
+            if state.ready_s > now:
+                continue  # loading from a lower tier
             chunk = min(state.request.num_prompt_tokens - state.num_computed, budget)
             prefills.append((state, chunk))
             budget -= chunk
@@ -201,11 +214,37 @@ class SimReplica:
         num_matched = self.cache.match_prefix(hashes)
         if not self.cache.can_admit(hashes, num_matched, state.num_blocks):
             return False
-        state.held = self.cache.admit(hashes, num_matched, state.num_blocks, now)
-        # At least one prompt token is always computed, to produce the first token.
+        # Tier blocks are read before the device evicts to make room: the evicted blocks
+        # written back below must not push out the ones this request is loading.
         block_size = self.profile.block_size
-        state.num_cached_tokens = min(num_matched * block_size, request.num_prompt_tokens - 1)
+        max_cached = request.num_prompt_tokens - 1  # one is always computed: the first token
+        state.num_device_cached_tokens = min(num_matched * block_size, max_cached)
+        state.num_cached_tokens = state.num_device_cached_tokens
+        if self.tiers is not None:
+            self._load_from_tiers(self.tiers, state, num_matched, now)
+        state.held = self.cache.admit(hashes, num_matched, state.num_blocks, now)
         state.num_computed = state.num_cached_tokens
         self.num_prompt_tokens += request.num_prompt_tokens
         self.num_cached_tokens += state.num_cached_tokens
+        self.num_device_cached_tokens += state.num_device_cached_tokens
         return True
+
+    def _load_from_tiers(
+        self, tiers: LowerTiers, state: RequestState, num_matched: int, now: float
+    ) -> None:
+        # The loaded blocks fill the request's reserved private blocks and are published
+        # with its computed ones when its prefill completes.
+        hashes = state.request.block_hashes
+        tiers.admitted(hashes, now)
+        counts = tiers.load(hashes, num_matched, now)
+        if not any(counts):
+            return
+        max_cached = state.request.num_prompt_tokens - 1
+        num_blocks = num_matched
+        for store, num in zip(tiers.stores, counts, strict=True):
+            num_blocks += num
+            cached = min(num_blocks * self.profile.block_size, max_cached)
+            store.stats.num_hit_tokens += cached - state.num_cached_tokens
+            state.num_cached_tokens = cached
+        state.ready_s = now + tiers.load_s(counts)
+        tiers.pending.append(state.ready_s)
