@@ -161,3 +161,23 @@ def test_events_are_kept_only_when_asked_for():
     b = make_request("b", range(10, 14))
     kv.allocate(b, 4)
     assert [type(e) for e in pool.take_events()] == [BlockStored, BlockStored]
+
+
+def test_a_load_from_a_connector_never_overwrites_a_device_hit():
+    from once.engine.kv.memory_connector import HostMemoryConnector
+
+    class HoldsEverything(HostMemoryConnector):
+        def lookup(self, hashes):
+            return len(hashes)
+
+    pool = BlockPool(3, 4)
+    kv = KVCacheManager(pool, HoldsEverything(), load_block=lambda block_id, h: True)
+    first = make_request("a", list(range(12)))
+    assert kv.allocate(first, 12)
+    held = kv.req_blocks.pop("a")
+    pool.free_blocks(held)  # head first: the shared first block is the next to go
+    second = make_request("b", list(range(4)) + [50 + i for i in range(9)])
+    hits, num_hit_tokens = kv.match_prefix(second)
+    assert num_hit_tokens == 12 and hits[0] is held[0]
+    assert len({b.block_id for b in hits}) == 3  # the device hit kept its own block
+    assert hits[0].block_hash == block_hashes(list(range(4)), 4)[0]

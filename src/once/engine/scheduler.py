@@ -158,7 +158,8 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv.match_prefix(request)
+            reserve = -(-min(budget, request.num_tokens) // self.kv.block_size) + 1
+            hit_blocks, num_hit_tokens = self.kv.match_prefix(request, reserve)
             if request.kv_prefetch is not None and not request.kv_prefetch_settled:
                 self.waiting.popleft()
                 self.loading.append(request)

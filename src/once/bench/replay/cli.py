@@ -37,6 +37,14 @@ from once.bench.replay.baseline_session import (
     resolve_session_mode,
 )
 from once.bench.replay.cpu import add_cpu_seconds, cpu_line
+from once.bench.replay.kv_pressure import (
+    add_kv_pressure_arguments,
+    check_kv_pressure_args,
+    kv_pressure_section,
+    pressure_runs,
+    print_kv_pressure,
+    stack_totals,
+)
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
 from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.plan import SessionPlan, plan_session
@@ -121,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing policies of the once stack (once, and the ones compared with it)",
     )
     routing.add_argument("--replica-threads", type=int, help="default: cores // --replicas")
+    add_kv_pressure_arguments(parser)
     return parser
 
 
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or not args.time_scale >= 0:
         print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
         return 2
-    problem = check_routing_args(args)
+    problem = check_routing_args(args) or check_kv_pressure_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -169,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print_summary(report)
         print_second_bar(report, sys.stdout)
+        if "kv_pressure" in report:
+            print_kv_pressure(report["kv_pressure"], sys.stdout)
     return 0
 
 
@@ -199,7 +210,7 @@ async def run_replay(sessions, args) -> dict:
             baseline = run_transformers_baseline(folder, [plan for _, plan in plans], _log)
         records: dict[str, dict[str, list[dict]]] = {}
         counters, traffic, routing_stats = {}, {}, {}
-        runs = stack_runs(args)
+        runs = stack_runs(args) + pressure_runs(args, str(Path(tmp) / "kv-disk"))
         with progress_bars(not getattr(args, "no_progress", True)) as progress:
             for run in runs:
                 name = run.spec.name
@@ -231,6 +242,8 @@ async def run_replay(sessions, args) -> dict:
     add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args, ablations)
     if getattr(args, "replicas", 1) > 1:
         report["routing"] = routing_section(runs, records, routing_stats)
+    if getattr(args, "kv_blocks", None) is not None:
+        report["kv_pressure"] = kv_pressure_section(plans, records, counters, block_size, args)
     return report
 
 
@@ -272,16 +285,8 @@ def add_ablation_and_traffic(
     if variants:
         totals = {"once": report["total"]["once"]}
         for name in variants:
-            rows = [row for _, plan in plans for row in records[name][plan.session_id]]
-            ledgers = [
-                session_ledger(
-                    records[name][plan.session_id],
-                    block_size=block_size,
-                    prefix_caching=specs[name].prefix_caching,
-                )
-                for _, plan in plans
-            ]
-            totals[name] = merge(ledgers, rows)
+            prefix_caching = specs[name].prefix_caching
+            totals[name] = stack_totals(name, plans, records, block_size, prefix_caching)
         report["ablation_totals"] = {name: totals[name] for name in variants}
         report["ablation"] = ablation_table(totals)
     if getattr(args, "concurrency", 1) > 1 or getattr(args, "pacing", FAST) != FAST:

@@ -202,7 +202,8 @@ class Stack:
                     "num_kv_evictions",
                     "num_requests_finished",
                 )
-            },
+            }
+            | {key: value for key, value in engine.items() if key.startswith("kv_tier_")},
             "gateway": {
                 "prompt_tokens": value(metrics.prompt_tokens),
                 "tokenized_tokens": value(metrics.tokenized_tokens),
@@ -233,11 +234,13 @@ async def open_stack(
     slowdown: float = 1.0,
     policy: str = "once",
     replica_threads: int = 1,
+    kv_tiers: dict | None = None,
 ) -> AsyncIterator[Stack]:
     """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
     replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
     speed, `replica_threads` threads each) behind a router with `policy`; each stack
-    starts its own, so every stack's caches start empty."""
+    starts its own, so every stack's caches start empty. `kv_tiers`: EngineConfig's kv_*
+    settings of the in-process engine."""
     from once.gateway.testing import serve_gateway
 
     builder = runtime.builder
@@ -263,7 +266,7 @@ async def open_stack(
             engine = fleet.router
         else:
             engine = _in_process_engine(
-                spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks
+                spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks, kv_tiers or {}
             )
             stack_of_closers.push_async_callback(engine.close)
         forced = ForcedOutputEngine(engine)
@@ -284,7 +287,7 @@ async def open_stack(
 
 
 def _in_process_engine(
-    spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks
+    spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks, kv_tiers
 ) -> AsyncEngine:
     from once.engine.async_engine import AsyncEngine
     from once.engine.config import EngineConfig
@@ -297,5 +300,6 @@ def _in_process_engine(
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
         speculative_method=spec.speculative_method,
+        **kv_tiers,
     )
     return AsyncEngine(LLMEngine(config))

@@ -48,11 +48,12 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def match_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+    def match_prefix(self, request: Request, reserve_blocks: int = 0) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the head of the request's tokens.
 
         At least one token is always left to compute: the last prompt position must run
-        through the model to produce the logits of the first output token.
+        through the model to produce the logits of the first output token. Blocks loaded
+        from a connector leave `reserve_blocks` free (the request's first chunk).
         """
         if not self.pool.enable_caching:
             return [], 0
@@ -68,11 +69,11 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.has_connector and len(hits) < max_blocks:
-            hits += self._load_external(request, hits, max_blocks)
+            hits += self._load_external(request, hits, max_blocks, reserve_blocks)
         return hits, len(hits) * self.block_size
 
     def _load_external(
-        self, request: Request, hits: list[KVBlock], max_blocks: int
+        self, request: Request, hits: list[KVBlock], max_blocks: int, reserve_blocks: int
     ) -> list[KVBlock]:
         # Device miss: ask the connector (host/disk tier, or a prefill node) for the next
         # run of blocks, copy them into fresh device blocks and cache them there. They are
@@ -91,9 +92,14 @@ class KVCacheManager:
                 request.kv_prefetch_started = time.monotonic()
                 self.num_prefetches += 1
                 return []
-        num_available = min(num_ready, self.pool.num_free_blocks)
+        # The device hits are held while blocks are taken for the loads: a hit sitting in
+        # the free queue must not be the block a load overwrites. Loads stop short of
+        # the request's first chunk, so what they bring in can be used at once, and
+        # never evict the cache for a request that then does not fit.
+        self.pool.touch(hits)
+        num_available = min(num_ready, self.pool.num_free_blocks - reserve_blocks)
         loaded: list[KVBlock] = []
-        for i, block in enumerate(self.pool.get_new_blocks(num_available)):
+        for i, block in enumerate(self.pool.get_new_blocks(max(0, num_available))):
             index = len(hits) + i
             tokens = request.all_token_ids[index * self.block_size : (index + 1) * self.block_size]
             parent = request.block_hashes[index - 1] if index else None
@@ -103,6 +109,7 @@ class KVCacheManager:
             self.pool.cache_block(block, wanted[i], parent, tokens)
             loaded.append(block)
         self.pool.free_blocks(reversed(loaded))
+        self.pool.free_blocks(reversed(hits))
         # Blocks that came from the connector need not be saved back to it.
         self.pool.newly_cached = [b for b in self.pool.newly_cached if b not in loaded]
         self.num_external_hit_tokens += len(loaded) * self.block_size

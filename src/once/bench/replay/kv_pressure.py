@@ -1,0 +1,122 @@
+"""`once replay --kv-blocks N`: the once stack again on a small device KV pool, without
+and with the KV tiers below it, in the same run.
+
+    once              the default pool (one request of --max-model-len, or more)
+    once-kv-pressure  a device pool of N blocks, no tiers: what eviction costs
+    once-kv-tiers     the same N blocks, over a host tier (--kv-host-blocks, default
+                      4 N) and a disk tier in a temporary folder (--kv-disk-gib)
+
+Eviction shows when sessions run side by side (--concurrency) or pause (--pacing
+recorded): with one session at a time the pool only has to hold that session. The
+section `kv_pressure` gives, per variant, the prompt tokens the ledger attributes to
+`evicted`, what was computed in all, TTFT percentiles and the engine's per-tier figures,
+and the bar's ratio: evicted tokens with tiers / without. Outputs are the recorded ones
+forced (forced.py), so "identical outputs" here means every call ran to its recorded
+output; that K/V loaded from a tier gives the logits of recomputing it is the engine's
+own test (tests/engine/test_kv_tiers.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from once.bench.replay.ledger import EVICTED, merge, session_ledger
+from once.bench.replay.routing import StackRun
+from once.bench.replay.stacks import ONCE
+
+PRESSURE = "once-kv-pressure"
+TIERS = "once-kv-tiers"
+VARIANTS = (PRESSURE, TIERS)
+
+
+def add_kv_pressure_arguments(parser) -> None:
+    group = parser.add_argument_group("KV pressure (--kv-blocks)")
+    group.add_argument(
+        "--kv-blocks", type=int, help="also replay once on a device pool of N blocks, "
+        "without and with KV tiers (" + ", ".join(VARIANTS) + ")",
+    )  # fmt: skip
+    group.add_argument("--kv-host-blocks", type=int, help="host tier slots (default 4 N)")
+    group.add_argument("--kv-disk-gib", type=float, default=1.0, help="disk tier's bound")
+    group.add_argument(
+        "--kv-offload", choices=("write_through", "write_back"), default="write_through"
+    )
+
+
+def check_kv_pressure_args(args) -> str | None:
+    blocks = getattr(args, "kv_blocks", None)
+    if blocks is None:
+        return None
+    if blocks < 1 or (args.kv_host_blocks is not None and args.kv_host_blocks < 1):
+        return "--kv-blocks and --kv-host-blocks must be >= 1"
+    if getattr(args, "replicas", 1) > 1:
+        return "--kv-blocks replays one in-process engine: it does not take --replicas"
+    return None
+
+
+def pressure_runs(args, disk_folder: str) -> list[StackRun]:
+    blocks = getattr(args, "kv_blocks", None)
+    if blocks is None:
+        return []
+    tiers = {
+        "kv_host_blocks": args.kv_host_blocks or 4 * blocks,
+        "kv_disk_path": disk_folder,
+        "kv_disk_gib": args.kv_disk_gib,
+        "kv_offload": args.kv_offload,
+    }
+    return [
+        StackRun(replace(ONCE, name=PRESSURE), {"num_kv_blocks": blocks}),
+        StackRun(replace(ONCE, name=TIERS), {"num_kv_blocks": blocks, "kv_tiers": tiers}),
+    ]
+
+
+def stack_totals(name: str, plans, records, block_size: int, prefix_caching: bool) -> dict:
+    """One stack's ledger merged over every planned session."""
+    ledgers = [
+        session_ledger(
+            records[name][plan.session_id], block_size=block_size, prefix_caching=prefix_caching
+        )
+        for _, plan in plans
+    ]
+    rows = [row for _, plan in plans for row in records[name][plan.session_id]]
+    return merge(ledgers, rows)
+
+
+def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict:
+    section: dict = {"kv_blocks": args.kv_blocks, "variants": {}}
+    for name in ("once", *VARIANTS):
+        totals = stack_totals(name, plans, records, block_size, prefix_caching=True)
+        engine = counters[name]["engine"]
+        section["variants"][name] = {
+            "evicted_tokens": totals["miss_causes"].get(EVICTED, 0),
+            "computed_tokens": totals["computed_tokens"],
+            "cached_tokens": totals["cached_tokens"],
+            "prompt_tokens": totals["prompt_tokens"],
+            "outputs_not_as_recorded": totals["outputs_not_as_recorded"],
+            "ttft_p50_s": totals["ttft_p50_s"],
+            "ttft_p95_s": totals["ttft_p95_s"],
+            "wall_s": totals["wall_s"],
+            "num_kv_evictions": engine["num_kv_evictions"],
+            **{key: value for key, value in engine.items() if key.startswith("kv_tier_")},
+        }
+    without, with_tiers = (section["variants"][name]["evicted_tokens"] for name in VARIANTS)
+    section["evicted_ratio_tiers_vs_none"] = round(with_tiers / without, 4) if without else None
+    section["outputs_identical"] = all(
+        v["outputs_not_as_recorded"] == 0 for v in section["variants"].values()
+    )
+    return section
+
+
+def print_kv_pressure(section: dict, out) -> None:
+    print(f"\nKV pressure: device pool of {section['kv_blocks']} blocks", file=out)
+    print(f"{'stack':<18} {'evicted':>9} {'computed':>10} {'ttft p95':>9}", file=out)
+    for name, figures in section["variants"].items():
+        print(
+            f"{name:<18} {figures['evicted_tokens']:>9} {figures['computed_tokens']:>10} "
+            f"{figures['ttft_p95_s'] or 0:>9.3f}",
+            file=out,
+        )
+    print(
+        f"evicted tokens, tiers / none: {section['evicted_ratio_tiers_vs_none']} "
+        f"(bar <= 0.2); outputs identical: {section['outputs_identical']}",
+        file=out,
+    )
