@@ -27,6 +27,11 @@ def _engine_config(args):
             kv_events_endpoint=args.kv_events_endpoint,
             speculative_adaptive=True if args.speculative_adaptive else None,
             cpu_gemm=args.cpu_gemm,
+            kv_host_blocks=args.kv_host_blocks,
+            kv_disk_path=args.kv_disk_path,
+            kv_disk_gib=args.kv_disk_gib,
+            kv_shared_url=args.kv_shared_url,
+            kv_offload=args.kv_offload,
         )
     except ValueError as exc:
         raise SystemExit(f"once: error: bad engine setting: {exc}") from None
@@ -82,6 +87,17 @@ def _add_engine_flags(parser):
         choices=CPU_GEMMS,
         default=None,
         help="CPU fp32 matmuls: oneDNN over packed weights (default) or torch's own",
+    )
+    tiers = parser.add_argument_group("KV tiers below the device pool (off by default)")
+    tiers.add_argument("--kv-host-blocks", type=int, default=None, help="L2: host-memory slots")
+    tiers.add_argument("--kv-disk-path", default=None, help="L3: a folder for KV block files")
+    tiers.add_argument("--kv-disk-gib", type=float, default=None, help="L3's bound (8)")
+    tiers.add_argument("--kv-shared-url", default=None, help="L4: redis://... shared by replicas")
+    tiers.add_argument(
+        "--kv-offload",
+        choices=["write_through", "write_back"],
+        default=None,
+        help="blocks go down as they fill (default) or as they are evicted",
     )
     parser.add_argument(
         "--kv-events-endpoint",
@@ -336,6 +352,9 @@ def main(argv=None) -> int:
     sub.add_parser("sim", help="the cluster simulator on production traces", add_help=False)
     sub.add_parser("router", help="the cache-aware router over engine replicas", add_help=False)
     sub.add_parser("replay", help="replay recorded agent sessions: the ledger", add_help=False)
+    sub.add_parser(
+        "replay-failover", help="a session moved to another replica: KV it reloads", add_help=False
+    )
 
     bench = sub.add_parser("bench", help="benchmarks (see `once bench engine --help`)")
     bench.add_argument(
@@ -350,6 +369,10 @@ def main(argv=None) -> int:
         from once.bench.replay.cli import main as replay_main
 
         return replay_main(rest)
+    if args.command == "replay-failover":
+        from once.bench.replay.kv_failover import main as failover_main
+
+        return failover_main(rest)
     if args.command == "router":
         from once.router.serve import main as router_main
 

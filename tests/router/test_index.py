@@ -144,3 +144,29 @@ async def test_zmq_subscriber_follows_a_vllm_style_publisher():
         with contextlib.suppress(asyncio.CancelledError):
             await task
         publisher.close(linger=0)
+
+
+def test_exact_index_follows_blocks_into_the_kv_tiers_of_a_tiered_engine(tmp_path):
+    """A tiered engine's own events: blocks evicted from the device but held in host
+    memory are a tier match, priced as a load, not a device match."""
+    from once.engine.config import EngineConfig
+    from once.engine.core import LLMEngine
+    from once.engine.testing import make_tiny_model
+    from once.protocol.engine import GenerateRequest, SamplingParams
+
+    folder = make_tiny_model(tmp_path / "tiny")
+    config = EngineConfig(model=str(folder), block_size=4, num_kv_blocks=16, kv_host_blocks=64)
+    engine = LLMEngine(config)
+    engine.enable_kv_events()
+    index = ExactPrefixIndex()
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = list(range(3, 25))
+    engine.generate([GenerateRequest("first", tuple(first), greedy)])
+    engine.generate([GenerateRequest("evicting", tuple(range(100, 158)), greedy)])
+    engine.close()
+    index.apply(engine.take_kv_events())
+    hashes = block_hashes(first, 4)
+    assert index.match(hashes) == 0  # gone from the device pool...
+    assert index.match_tiers(hashes, 0) == len(hashes)  # ...held in host memory
+    index.apply([BlockRemoved(hashes[2:3], "HOST")])
+    assert index.match_tiers(hashes, 0) == 2

@@ -17,6 +17,15 @@ Both indices answer `match(block_hashes) -> number of leading blocks present`.
   never match (a conservative miss). With `rehash=False` the engine's hashes are used as
   they are: right for the once engine, which hashes like the router.
 
+KV tiers: events whose medium names a tier below the device pool (HOST, DISK, SHARED, as
+the once engine's tiered connector sends them; vLLM's offloading sends CPU for a GPU
+engine's host tier, which the index cannot tell from a CPU engine's device pool, so only
+once's names count) go to a second set: `match_tiers` counts how far a prefix goes on in
+the tiers past the device match, which a policy prices as load time, not recompute.
+Tier events carry no token ids, so they are keyed by the engine's hashes (right for the
+once engine; with `rehash` a tier block counts only while the device copy's router hash
+is known).
+
 `decode_vllm_event_batch` turns one decoded vLLM ZMQ payload (msgpack of msgspec structs,
 `array_like` and tagged) into these events; `zmq_event_subscriber` (needs `pyzmq` and
 `msgpack`, not installed here) reads them from a vLLM server's publisher.
@@ -73,11 +82,15 @@ class ApproximatePrefixIndex:
         self._blocks.clear()
 
 
+TIER_MEDIA = ("HOST", "DISK", "SHARED")
+
+
 class ExactPrefixIndex:
     kind = "exact"
 
     def __init__(self, *, rehash: bool = False):
         self.rehash = rehash
+        self._tier_blocks: dict[str, set[int]] = {medium: set() for medium in TIER_MEDIA}
         # engine hash -> router hash (identity without rehash); the keys are what the
         # replica holds now.
         self._blocks: dict = {}
@@ -90,18 +103,41 @@ class ExactPrefixIndex:
     def match(self, block_hashes: Sequence[int]) -> int:
         return count_leading(self._router_hashes, block_hashes)
 
+    def match_tiers(self, block_hashes: Sequence[int], start: int) -> int:
+        """Blocks after the first `start` held in some tier below the device pool."""
+        count = 0
+        for block_hash in block_hashes[start:]:
+            if not any(block_hash in blocks for blocks in self._tier_blocks.values()):
+                break
+            count += 1
+        return count
+
+    def _apply_tier(self, event: BlockStored | BlockRemoved) -> None:
+        blocks = self._tier_blocks[event.medium]  # type: ignore[index]
+        for engine_hash in event.block_hashes:
+            router_hash = self._blocks.get(engine_hash, None if self.rehash else engine_hash)
+            if router_hash is None:
+                continue
+            if isinstance(event, BlockStored):
+                blocks.add(router_hash)
+            else:
+                blocks.discard(router_hash)
+
     def apply(self, events: Iterable[KVEvent | dict]) -> None:
         for event in events:
             if isinstance(event, dict):
                 event = event_from_dict(event)
             self.num_events += 1
-            if isinstance(event, BlockStored):
+            medium = getattr(event, "medium", None)
+            if medium in TIER_MEDIA and isinstance(event, BlockStored | BlockRemoved):
+                self._apply_tier(event)
+            elif isinstance(event, BlockStored):
                 self._store(event)
             elif isinstance(event, BlockRemoved):
                 for engine_hash in event.block_hashes:
                     self._remove(engine_hash)
             elif isinstance(event, AllBlocksCleared):
-                self._blocks.clear()
+                self._blocks.clear()  # the device pool only: tiers keep their blocks
                 self._router_hashes.clear()
             else:
                 raise ValueError(f"not a KV event: {event!r}")

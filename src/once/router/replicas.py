@@ -101,6 +101,12 @@ class InFlight:
     num_output_tokens: int = 0
 
 
+# What a policy charges to bring one block up from a KV tier (exact index only): a host
+# copy of a SmolLM2 fp32 block (737 KB) at a few GB/s; disk and Redis cost more, but still
+# a fraction of recomputing a block (~16 tokens of prefill).
+TIER_LOAD_S_PER_BLOCK = 2e-4
+
+
 class Replica:
     def __init__(
         self,
@@ -115,6 +121,7 @@ class Replica:
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         live_estimates: bool = True,
+        tier_load_s_per_block: float = TIER_LOAD_S_PER_BLOCK,
     ):
         if block_size < 1 or kv_blocks_total < 1:
             raise ValueError("block_size and kv_blocks_total must be >= 1")
@@ -123,6 +130,7 @@ class Replica:
         self.index = index
         self.block_size = block_size
         self.kv_blocks_total = kv_blocks_total
+        self.tier_load_s_per_block = tier_load_s_per_block
         # `is None`, not `or`: an empty exact index is falsy (it has a length).
         if prefix_index is None:
             prefix_index = ApproximatePrefixIndex(kv_blocks_total)
@@ -211,6 +219,12 @@ class Replica:
         flights = self.in_flight.values()
         now = time.monotonic()
         speed = self.prefill_tokens_per_s(now)
+        cached = self.num_cached_blocks(block_hashes, num_prompt_tokens)
+        tier_blocks: tuple[int, ...] = ()
+        if isinstance(self.prefix_index, ExactPrefixIndex):
+            usable = block_hashes[: max(0, num_prompt_tokens - 1) // self.block_size]
+            num_in_tiers = self.prefix_index.match_tiers(usable, cached)
+            tier_blocks = (num_in_tiers,) if num_in_tiers else ()
         return ReplicaView(
             index=self.index,
             name=self.name,
@@ -220,7 +234,9 @@ class Replica:
             num_decode_tokens=sum(f.num_decode_tokens for f in flights),
             kv_blocks_used=sum(f.num_blocks for f in flights),
             kv_blocks_total=self.kv_blocks_total,
-            cached_prefix_blocks=self.num_cached_blocks(block_hashes, num_prompt_tokens),
+            cached_prefix_blocks=cached,
+            tier_prefix_blocks=tier_blocks,
+            tier_load_s=sum(tier_blocks) * self.tier_load_s_per_block,
             prefill_tokens_per_s=speed,
             decode_tokens_per_s=self.decode_tokens_per_s_per_stream * max(1, len(flights)),
         )

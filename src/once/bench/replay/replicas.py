@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +94,7 @@ def engine_command(
     slowdown: float,
     speculative_method: str = "",
     kv_events_endpoint: str = "",
+    extra_flags: Sequence[str] = (),
 ) -> list[str]:
     command = [
         sys.executable, "-m", "once.cli", "engine",
@@ -112,7 +113,7 @@ def engine_command(
         command += ["--speculative-method", speculative_method]
     if kv_events_endpoint:
         command += ["--kv-events-endpoint", kv_events_endpoint]
-    return command
+    return command + list(extra_flags)
 
 
 @contextlib.asynccontextmanager
@@ -129,6 +130,7 @@ async def start_replicas(
     speculative_method: str = "",
     kv_events: bool = False,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
+    extra_flags: Sequence[str] = (),
 ) -> AsyncIterator[list[ReplicaProcess]]:
     """`count` replicas named replica-0..N-1; those whose index is in `slow` run at
     1/`slowdown` speed. Yields them once every one answers /healthz."""
@@ -147,6 +149,7 @@ async def start_replicas(
                 model_folder, port, threads=threads, max_model_len=max_model_len,
                 kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching, slowdown=speed,
                 speculative_method=speculative_method, kv_events_endpoint=events,
+                extra_flags=extra_flags,
             )  # fmt: skip
             stderr_path = Path(logs) / f"replica-{index}.{port}.stderr"
             with open(stderr_path, "wb") as stderr:
