@@ -158,8 +158,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
-            reserve = -(-min(budget, request.num_tokens) // self.kv.block_size) + 1
-            hit_blocks, num_hit_tokens = self.kv.match_prefix(request, reserve)
+            hit_blocks, num_hit_tokens = self.kv.match_prefix(request, budget)
             if request.kv_prefetch is not None and not request.kv_prefetch_settled:
                 self.waiting.popleft()
                 self.loading.append(request)
@@ -174,6 +173,11 @@ class Scheduler:
                 request.prefix_hit_counted = True
                 request.metrics.num_cached_tokens = num_hit_tokens
                 self.kv.record_lookup(request.num_prompt_tokens, num_hit_tokens)
+            elif not request.output_token_ids:
+                # Preempted before its first token: the prefill that produces it is this
+                # admission's, so its hit is the cache's share (with KV tiers it can be
+                # more than the first admission's); earlier work counts as recomputed.
+                request.metrics.num_cached_tokens = num_hit_tokens
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:

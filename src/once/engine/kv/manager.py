@@ -48,12 +48,14 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def match_prefix(self, request: Request, reserve_blocks: int = 0) -> tuple[list[KVBlock], int]:
+    def match_prefix(
+        self, request: Request, budget_tokens: int | None = None
+    ) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the head of the request's tokens.
 
         At least one token is always left to compute: the last prompt position must run
         through the model to produce the logits of the first output token. Blocks loaded
-        from a connector leave `reserve_blocks` free (the request's first chunk).
+        from a connector leave room for the first chunk the step's `budget_tokens` allows.
         """
         if not self.pool.enable_caching:
             return [], 0
@@ -69,11 +71,11 @@ class KVCacheManager:
                 break
             hits.append(block)
         if self.has_connector and len(hits) < max_blocks:
-            hits += self._load_external(request, hits, max_blocks, reserve_blocks)
+            hits += self._load_external(request, hits, max_blocks, budget_tokens)
         return hits, len(hits) * self.block_size
 
     def _load_external(
-        self, request: Request, hits: list[KVBlock], max_blocks: int, reserve_blocks: int
+        self, request: Request, hits: list[KVBlock], max_blocks: int, budget_tokens: int | None
     ) -> list[KVBlock]:
         # Device miss: ask the connector (host/disk tier, or a prefill node) for the next
         # run of blocks, copy them into fresh device blocks and cache them there. They are
@@ -97,7 +99,12 @@ class KVCacheManager:
         # the request's first chunk, so what they bring in can be used at once, and
         # never evict the cache for a request that then does not fit.
         self.pool.touch(hits)
-        num_available = min(num_ready, self.pool.num_free_blocks - reserve_blocks)
+        num_free = self.pool.num_free_blocks
+        num_left = -(-request.num_tokens // self.block_size) - len(hits)  # blocks it needs
+        if budget_tokens is not None and num_left + 1 > num_free:
+            # It will not fit whole: load only what leaves a full chunk's room.
+            num_free -= -(-budget_tokens // self.block_size) + 1
+        num_available = min(num_ready, num_free)
         loaded: list[KVBlock] = []
         for i, block in enumerate(self.pool.get_new_blocks(max(0, num_available))):
             index = len(hits) + i

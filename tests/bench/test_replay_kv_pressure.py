@@ -1,0 +1,44 @@
+"""`once replay --kv-blocks`: once on a device pool too small for two sessions side by
+side, without and with KV tiers, in one run of hand-made sessions."""
+
+import asyncio
+
+import pytest
+
+from once.bench.replay import cli
+from once.bench.replay.kv_pressure import PRESSURE, TIERS
+from tests.bench.test_replay_report import _args, _session
+
+
+@pytest.fixture(scope="module")
+def pressure_report():
+    sessions = [("folder-a", _session("a")), ("folder-b", _session("b"))]
+    # A session reaches 752 tokens (47 blocks of 16): 48 blocks hold one, not two.
+    args = _args(concurrency=2, kv_blocks=48, kv_host_blocks=None, kv_disk_gib=0.1,
+                 kv_offload="write_through")  # fmt: skip
+    return asyncio.run(cli.run_replay(sessions, args))
+
+
+def test_eviction_costs_recompute_and_the_tiers_bring_it_back(pressure_report):
+    section = pressure_report["kv_pressure"]
+    variants = section["variants"]
+    assert variants["once"]["evicted_tokens"] == 0
+    assert variants[PRESSURE]["evicted_tokens"] > 0 and variants[PRESSURE]["num_kv_evictions"]
+    assert variants[TIERS]["kv_tier_host_hit_blocks"] > 0
+    assert section["evicted_ratio_tiers_vs_none"] <= 0.2
+    assert section["outputs_identical"]
+    # The tiers' reload is counted as cached: the once stack's prompt work, nearly.
+    assert variants[TIERS]["computed_tokens"] < variants[PRESSURE]["computed_tokens"]
+
+
+def test_bad_pressure_flags_are_refused():
+    assert cli.main(["--kv-blocks", "0"]) == 2
+    assert cli.main(["--kv-blocks", "8", "--replicas", "2"]) == 2
+
+
+def test_what_the_tiers_served_counts_as_cached_not_as_never_computed(pressure_report):
+    # A call's cached tokens are its last admission's hit (a preempted prefill reloads
+    # more from a tier than it first found): what it computed covers the rest.
+    for rows in pressure_report["calls"][TIERS].values():
+        for row in rows:
+            assert row["computed_tokens"] >= row["prompt_tokens"] - row["cached_tokens"]
