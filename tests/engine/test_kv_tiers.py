@@ -242,3 +242,25 @@ def test_write_back_spills_from_host_to_disk_and_loads_back(
     assert out[0].num_cached_tokens == 20 and stats["kv_tier_disk_hit_blocks"] >= 1
     assert_logits_match(tiny_reference, records)
     engine.close()
+
+
+def test_a_pinned_host_block_outlives_later_puts_until_released(monkeypatch):
+    host = HostTier(2, SHAPE, torch.float32)
+    host.put(0, *block(0))
+    host.pin(0)  # promoted for a waiting request
+    for i in range(1, 4):
+        host.put(i, *block(i))
+    assert 0 in host and len(host) == 2
+    host.pin(3)
+    host.put(4, *block(4))  # every slot pinned: refused, nothing lost
+    assert host.num_refused == 1 and {0, 3} == set(host.slot_of)
+    host.unpin([0])
+    host.put(5, *block(5))
+    assert 0 not in host and 5 in host
+
+    import once.engine.kv.host_tier as host_tier
+
+    monkeypatch.setattr(host_tier, "PIN_S", -1.0)  # a pin nobody released lapses
+    host.pin(5)
+    host.put(6, *block(6))
+    assert 6 in host and host.num_refused == 1

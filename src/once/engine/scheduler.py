@@ -208,6 +208,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
+        # Its blocks may have gone down a tier since its last admission: it may wait for
+        # a prefetch once more.
+        request.kv_prefetch, request.kv_prefetch_settled = None, False
         self.waiting.appendleft(request)
 
     # -- after the forward ----------------------------------------------------------------

@@ -45,6 +45,10 @@ class KVConnector(ABC):
         wait for."""
         return None
 
+    def release(self, block_hashes: Sequence[int]) -> None:
+        """A prefetched run has been loaded (or given up): it need not be held."""
+        return None
+
     def stats(self) -> dict:
         return {}
 

@@ -10,6 +10,11 @@ slot between calls.
 Two threads use the pool: the step loop (saves, loads into the device) and the transfer
 thread (blocks promoted from disk or the shared store; blocks read to be written below).
 One lock guards the index and the slots; a copy in or out happens under it.
+
+Blocks promoted from a lower tier for a waiting request are pinned (not evictable) until
+that request has copied them into the device, or `PIN_S` at most: the host tier is the
+lower tiers' staging area, and without pins the blocks saved meanwhile by running
+requests could push a promoted run out before it is used.
 """
 
 import threading
@@ -21,6 +26,7 @@ import torch
 from once.sim.kvcache import LRU, EvictionPolicy
 
 Evicted = tuple[int, torch.Tensor, torch.Tensor]  # (block hash, K copy, V copy)
+PIN_S = 10.0
 
 
 class HostTier:
@@ -46,6 +52,8 @@ class HostTier:
         self.policy = policy or LRU()
         self.lock = threading.Lock()
         self.num_evictions = 0
+        self.num_refused = 0  # puts with every slot pinned
+        self.pinned: dict[int, float] = {}  # block hash -> when its pin lapses
 
     def __len__(self) -> int:
         return len(self.slot_of)
@@ -79,6 +87,11 @@ class HostTier:
             slot = self.slot_of.get(block_hash)
             if slot is not None:
                 self._touch(block_hash, now)
+                return evicted
+            if not self.free_slots and len(self.policy) == 0:
+                self._expire_pins(now)
+            if not self.free_slots and len(self.policy) == 0:
+                self.num_refused += 1  # every slot pinned: this block is not kept
                 return evicted
             if not self.free_slots:
                 victim = self.policy.evict(now)
@@ -114,8 +127,27 @@ class HostTier:
                 return None
             return self.k[slot].clone(), self.v[slot].clone()
 
+    def pin(self, block_hash: int) -> None:
+        with self.lock:
+            if block_hash in self.slot_of and block_hash not in self.pinned:
+                self.policy.acquired(block_hash, time.monotonic())
+                self.pinned[block_hash] = time.monotonic() + PIN_S
+
+    def unpin(self, block_hashes) -> None:
+        with self.lock:
+            now = time.monotonic()
+            for block_hash in block_hashes:
+                if self.pinned.pop(block_hash, None) is not None:
+                    self.policy.released(block_hash, now)
+
+    def _expire_pins(self, now: float) -> None:
+        for block_hash in [h for h, until in self.pinned.items() if until <= now]:
+            del self.pinned[block_hash]
+            self.policy.released(block_hash, now)
+
     def _touch(self, block_hash: int, now: float) -> None:
         # A hit makes a block recent again: held for the copy, released at once.
         self.policy.hit(block_hash, now)
-        self.policy.acquired(block_hash, now)
-        self.policy.released(block_hash, now)
+        if block_hash not in self.pinned:
+            self.policy.acquired(block_hash, now)
+            self.policy.released(block_hash, now)

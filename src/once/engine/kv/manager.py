@@ -117,6 +117,8 @@ class KVCacheManager:
             loaded.append(block)
         self.pool.free_blocks(reversed(loaded))
         self.pool.free_blocks(reversed(hits))
+        if request.kv_prefetch is not None and request.kv_prefetch_settled:
+            self.connector.release(wanted)  # pinned by the prefetch, copied (or not) now
         # Blocks that came from the connector need not be saved back to it.
         self.pool.newly_cached = [b for b in self.pool.newly_cached if b not in loaded]
         self.num_external_hit_tokens += len(loaded) * self.block_size

@@ -121,10 +121,15 @@ class TieredConnector(KVConnector):
 
     # -- the transfer threads -------------------------------------------------------------
 
+    def release(self, block_hashes: Sequence[int]) -> None:
+        """The waiting request has its prefetched run: unpin it in the host tier."""
+        self.host.unpin(block_hashes)
+
     def _promote(self, block_hashes: list[int]) -> int:
         num_promoted = 0
         for block_hash in block_hashes:
             if block_hash in self.host:
+                self.host.pin(block_hash)
                 continue
             for tier in (self.disk, self.shared):
                 if tier is None or (tier is self.disk and block_hash not in tier):
@@ -140,6 +145,7 @@ class TieredConnector(KVConnector):
                     self._count(tier.name, corrupt_blocks=1)
                     continue
                 self._put_host(block_hash, self._stage_k, self._stage_v)
+                self.host.pin(block_hash)
                 self._count(tier.name, hit_blocks=1, loaded_bytes=len(data),
                             load_time_s=time.perf_counter() - started)  # fmt: skip
                 num_promoted += 1
