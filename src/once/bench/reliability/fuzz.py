@@ -72,6 +72,7 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)
     no_answer: int = 0  # the request failed on the wire or hit the hang guard
     schema_violations: int = 0
+    unsupported_draws: int = 0  # case runs cut short by schemathesis's UnsupportedSchema
     examples: list[str] = field(default_factory=list)
 
     def answered(self, status: int) -> None:
@@ -132,16 +133,16 @@ def served_model_bodies(model: str) -> Callable:
 
 
 UNSUPPORTED_RETRIES = 5
-UNSUPPORTED_DRAWS = [0]  # runs cut short by UnsupportedSchema, over the process
 
 
-def run_cases(strategy, quota: int, seed: int, on_case: Callable) -> int:
-    """Draw up to `quota` cases from `strategy` (fewer when it runs out); how many ran.
+def run_cases(strategy, quota: int, seed: int, on_case: Callable) -> tuple[int, int]:
+    """Draw up to `quota` cases from `strategy` (fewer when it runs out): how many ran,
+    and how many draws were cut short.
 
     Schemathesis builds nested negative schemas lazily, and a few draws reach a `not` it
     cannot complement (UnsupportedSchema, which ends the whole run): the rest of the quota
     is then drawn under another seed, a few times at most."""
-    ran = 0
+    ran = num_cut_short = 0
 
     def attempt(attempt_seed: int, attempt_quota: int) -> None:
         @hypothesis_seed(attempt_seed)
@@ -167,10 +168,10 @@ def run_cases(strategy, quota: int, seed: int, on_case: Callable) -> int:
         except Unsatisfiable:
             break  # no case of this kind exists (a negative case of a route without inputs)
         except UnsupportedSchema:
-            UNSUPPORTED_DRAWS[0] += 1
+            num_cut_short += 1
             continue
         break
-    return ran
+    return ran, num_cut_short
 
 
 def send_case(case, session: http.Session, tally: Tally) -> None:
@@ -189,7 +190,7 @@ def send_case(case, session: http.Session, tally: Tally) -> None:
         tally.note(f"{case.operation.label} -> {response.status_code}: {group.exceptions[0]}")
 
 
-def fuzz_operations(schema, budget: int, seed: int, send: Callable) -> int:
+def fuzz_operations(schema, budget: int, seed: int, send: Callable, tally: Tally) -> int:
     """Schemathesis cases for every operation, both modes, `budget` in all; how many."""
     plan = [
         (operation, mode, POST_WEIGHT if operation.method.upper() == "POST" else 1)
@@ -204,7 +205,8 @@ def fuzz_operations(schema, budget: int, seed: int, send: Callable) -> int:
             if quota == 0:
                 break
             case_seed = seed * 7919 + round_number * 131 + index
-            ran = run_cases(operation.as_strategy(mode), quota, case_seed, send)
+            ran, cut_short = run_cases(operation.as_strategy(mode), quota, case_seed, send)
+            tally.unsupported_draws += cut_short
             left -= ran
             if ran == quota:
                 still_going.append((operation, mode, weight))
@@ -311,7 +313,7 @@ def run_fuzz(requests: int = 5000, seed: int = 0, ws_frames: int | None = None) 
         raw_budget = int(max(0, requests - tally.requests) * RAW_SHARE)
         fuzz_raw(document, base_url, raw_budget, seed, session, tally)
         left = max(0, requests - tally.requests - tally.no_answer)
-        fuzz_operations(schema, left, seed, lambda case: send_case(case, session, tally))
+        fuzz_operations(schema, left, seed, lambda case: send_case(case, session, tally), tally)
         frames = fuzz_websocket(schema, base_url, ws_frames, seed, runtime.name)
     return {
         "fuzz_requests": tally.requests + tally.no_answer,
@@ -323,7 +325,7 @@ def run_fuzz(requests: int = 5000, seed: int = 0, ws_frames: int | None = None) 
         "fuzz_2xx": tally.statuses[2],
         "fuzz_4xx": tally.statuses[4],
         "fuzz_no_answer": tally.no_answer,
-        "fuzz_unsupported_draws": UNSUPPORTED_DRAWS[0],
+        "fuzz_unsupported_draws": tally.unsupported_draws,
         "http_schema_violations": tally.schema_violations,
         "ws_schema_violations": frames.schema_violations,
         "ws_responses": frames.responses,

@@ -20,8 +20,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from once.bench.reliability.fault_redis import RedisServer
 from once.bench.replay.plan import plan_session
+from once.bench.replay.reference import common_prefix_length
 from once.bench.replay.replicas import start_replicas
 from once.bench.replay.sessions import find_session
 from once.bench.replay.stacks import load_served_runtime, make_tiny_replay_model
@@ -31,15 +34,6 @@ from once.protocol.engine import GenerateRequest, SamplingParams
 DEFAULT_SESSION = "sweagent__claude-sonnet-4-20250514/django__django-15731"
 MAX_MODEL_LEN = 32768
 TOOL_PAUSE_S = 0.5
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def _call(client: RemoteEngineClient, request_id: str, call) -> dict:
@@ -76,7 +70,10 @@ async def move_session(folder: Path, calls, moved_at: int, shared_url: str | Non
             await first.aclose()
             await second.aclose()
     previous = calls[moved_at - 1]
-    ideal = common_prefix(calls[moved_at].prompt_ids, previous.prompt_ids + previous.forced_ids)
+    ideal = common_prefix_length(
+        np.asarray(calls[moved_at].prompt_ids),
+        np.asarray(previous.prompt_ids + previous.forced_ids),
+    )
     moved["ideal_cached_tokens"] = ideal
     # What was computed beyond the call's new tokens is its cacheable prefix recomputed.
     recomputed = min(ideal, max(0, moved["computed_tokens"] - (moved["prompt_tokens"] - ideal)))

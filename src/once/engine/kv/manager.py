@@ -98,6 +98,8 @@ class KVCacheManager:
         # the free queue must not be the block a load overwrites. Loads stop short of
         # the request's first chunk, so what they bring in can be used at once, and
         # never evict the cache for a request that then does not fit.
+        if num_ready == 0:
+            return []
         self.pool.touch(hits)
         num_free = self.pool.num_free_blocks
         num_left = -(-request.num_tokens // self.block_size) - len(hits)  # blocks it needs
