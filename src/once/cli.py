@@ -32,6 +32,9 @@ def _engine_config(args):
             kv_disk_gib=args.kv_disk_gib,
             kv_shared_url=args.kv_shared_url,
             kv_offload=args.kv_offload,
+            kv_eviction=args.kv_eviction,
+            kv_host_eviction=args.kv_host_eviction,
+            kv_pause_keep_s=args.kv_pause_keep_s,
         )
     except ValueError as exc:
         raise SystemExit(f"once: error: bad engine setting: {exc}") from None
@@ -50,7 +53,7 @@ def _slowdown(text: str) -> float:
 
 
 def _add_engine_flags(parser):
-    from once.engine.config import CPU_GEMMS
+    from once.engine.config import CPU_GEMMS, ONLINE_EVICTION_POLICIES
 
     parser.add_argument("--model", default=None, help="model name, HF folder or .gguf file")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
@@ -98,6 +101,17 @@ def _add_engine_flags(parser):
         choices=["write_through", "write_back"],
         default=None,
         help="blocks go down as they fill (default) or as they are evicted",
+    )
+    cache = parser.add_argument_group("KV eviction and session pause hints")
+    for flag, where in (("--kv-eviction", "the device pool"), ("--kv-host-eviction", "L2")):
+        cache.add_argument(
+            flag, choices=ONLINE_EVICTION_POLICIES, default=None, help=f"{where}'s policy (lru)"
+        )
+    cache.add_argument(
+        "--kv-pause-keep-s",
+        type=float,
+        default=None,
+        help="a session pause hinted up to this long keeps its blocks in the pool (10)",
     )
     parser.add_argument(
         "--kv-events-endpoint",

@@ -3,6 +3,7 @@
 The loop's own logic is tested on the in-memory ScriptedTransport in test_loop.py.
 """
 
+import asyncio
 import json
 
 import anthropic
@@ -173,3 +174,36 @@ async def test_the_scripted_transport_streams_like_a_server_and_says_when_its_sc
     with pytest.raises(TransportError) as info:
         await transport.create({"model": "m", "input": []})
     assert info.value.code == "script_exhausted" and len(transport.requests) == 2
+
+
+class Sleepy(Echo):
+    spec = ToolSpec("sleepy", "Wait a little.", {"type": "object", "properties": {}})
+
+    async def __call__(self, args, ctx):
+        await asyncio.sleep(0.2)
+        return ToolResult("rested")
+
+
+async def test_the_agent_sends_tool_pause_hints_that_reach_the_engine_without_breaking_the_chain(
+    runtime, tmp_path
+):
+    script = [call_text("sleepy"), call_text("echo", text="x"), call_text("sleepy"), "Done."]
+    engine = scripted_texts(runtime, script)
+    async with serve_gateway(runtime, engine) as (url, _):
+        transport = WebSocketTransport(client_for(url))
+        registry = ToolRegistry([Echo(), Sleepy()])
+        config = AgentConfig(MODEL, "You are a test agent.", prompt_cache_key="session-1")
+        agent = Agent(transport, registry, ToolContext(workspace=tmp_path), config)
+        result = await agent.run("Rest, echo, rest.")
+        await transport.close()
+    assert result.stopped == "answer"
+    # No estimate before the first tool ran; then one per call, in the metadata field.
+    assert [r.session_key for r in engine.requests] == ["session-1"] * 4
+    assert transport.stats.incremental_calls == 3  # a changing metadata keeps the chain
+    # Call 2 ends in echo (estimated from no run of echo: the all-tools mean, ~0.2 s);
+    # call 3 in sleepy (its own estimate, ~0.2 s); the final answer ends the hints.
+    assert [key for key, _ in engine.pauses] == ["session-1", "session-1"]
+    assert all(0.15 < seconds < 2.0 for _, seconds in engine.pauses)
+    table = json.loads(agent.request()["metadata"]["once_tool_pause_s"])
+    assert set(table) == {"sleepy", "echo", "*"} and table["sleepy"] > table["echo"]
+    assert "(reply)" not in table  # a function-calling harness: an answer is no pause

@@ -34,6 +34,7 @@ def test_eviction_costs_recompute_and_the_tiers_bring_it_back(pressure_report):
 def test_bad_pressure_flags_are_refused():
     assert cli.main(["--kv-blocks", "0"]) == 2
     assert cli.main(["--kv-blocks", "8", "--replicas", "2"]) == 2
+    assert cli.main(["--kv-blocks", "8", "--kv-hints"]) == 2  # hints need recorded pauses
 
 
 def test_what_the_tiers_served_counts_as_cached_not_as_never_computed(pressure_report):

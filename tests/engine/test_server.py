@@ -233,3 +233,22 @@ def test_stats_collector_maps_known_keys_and_exports_unknown_numbers():
     assert "# TYPE once_engine_steps_total counter" in text
     assert "once_engine_spec_k 2.0" in text and "once_engine_x_y 1.0" in text
     assert "model" not in text.replace("once_engine", "")
+
+
+async def test_pause_endpoint_passes_hints_on_and_names_the_bad_param(remote):
+    engine = ScriptedEngine([[1]])
+    async with remote(engine) as (client, http):
+        await client.pause_session("session-1", 2.5)
+        assert engine.pauses == [("session-1", 2.5)]
+        bad_bodies = {
+            b'{"session_key": "", "expected_s": 1}': "session_key",
+            b'{"session_key": "s", "expected_s": -1}': "expected_s",
+            b'{"session_key": "s", "expected_s": true}': "expected_s",
+            b'{"session_key": "s"}': "expected_s",
+        }
+        for body, param in bad_bodies.items():
+            response = await http.post("/v1/pause", content=body)
+            assert response.status_code == 400
+            assert response.json()["error"]["param"] == param
+        assert (await http.post("/v1/pause", content=b"[1]")).status_code == 400
+        assert len(engine.pauses) == 1

@@ -285,3 +285,15 @@ async def test_stats_compare_the_index_prediction_with_the_engine_report():
     assert replica["num_cached_tokens"] == 48
     assert replica["num_prompt_tokens"] == 128
     await router.aclose()
+
+
+async def test_a_pause_hint_goes_to_the_replica_of_the_sessions_last_call():
+    engines = [ScriptedEngine(), ScriptedEngine()]
+    router = Router.over(engines, RouterConfig(policy="round_robin"))
+    await collect(router, make_request("a", PROMPT, forced=[1], session_key="s-a"))
+    await collect(router, make_request("b", PROMPT, forced=[1], session_key="s-b"))
+    await router.pause_session("s-b", 3.0)
+    await router.pause_session("s-a", 1.0)
+    await router.pause_session("never-seen", 1.0)  # no replica holds it: dropped
+    assert [e.pauses for e in engines] == [[("s-a", 1.0)], [("s-b", 3.0)]]
+    await router.aclose()

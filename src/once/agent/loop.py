@@ -10,10 +10,12 @@ the step or token budget. Compaction, when the model's context passes a budget, 
 model for a handoff summary and starts a new chain from it.
 """
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from once.agent.doctor import CacheDoctor
+from once.agent.pauses import ToolPauseEstimates
 from once.agent.prefix import canonical_tools, check_instructions
 from once.agent.tools.base import ToolContext, ToolResult
 from once.agent.tools.discovery import TOOL_SEARCH_NAME, DeferredTools
@@ -41,6 +43,8 @@ class AgentConfig:
     store: bool = False
     prompt_cache_key: str | None = None  # the session: keeps it on one replica
     compact_at_tokens: int | None = None  # prompt size that triggers compaction
+    # Send the tools' running times as a KV hint (agent/pauses.py); needs prompt_cache_key.
+    pause_hints: bool = True
 
 
 @dataclass
@@ -103,6 +107,7 @@ class Agent:
         self.history: list[dict] = []
         self.cost = CostSummary()
         self.usages: list[dict] = []
+        self.pauses = ToolPauseEstimates()
 
     def request(self) -> dict:
         body = {
@@ -115,6 +120,8 @@ class Agent:
         for key in ("max_output_tokens", "temperature", "prompt_cache_key"):
             if getattr(self.config, key) is not None:
                 body[key] = getattr(self.config, key)
+        if self.config.pause_hints and self.config.prompt_cache_key and self.pauses.seconds:
+            body["metadata"] = self.pauses.metadata()
         return body
 
     async def run(self, task: str) -> AgentResult:
@@ -157,7 +164,9 @@ class Agent:
 
     async def _run_tool(self, call: dict) -> None:
         self.ctx.call_id = call.get("call_id")
+        started = time.monotonic()
         result = await self.registry.call(call.get("name", ""), call.get("arguments", ""), self.ctx)
+        self.pauses.observe(call.get("name", ""), time.monotonic() - started)
         self.cost.tool_calls += 1
         self.on_tool(call, result)
         call_id = call.get("call_id")

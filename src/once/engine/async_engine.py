@@ -38,6 +38,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._inbox_adds: list[GenerateRequest] = []
         self._inbox_aborts: list[str] = []
+        self._inbox_pauses: list[tuple[str, float]] = []
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
         self._dead: BaseException | None = None
@@ -86,6 +87,12 @@ class AsyncEngine:
             self._inbox_aborts.append(request_id)
         self._wakeup.set()
 
+    async def pause_session(self, session_key: str, expected_s: float) -> None:
+        """A hint: the session's agent runs a tool for about `expected_s`."""
+        with self._lock:
+            self._inbox_pauses.append((session_key, expected_s))
+        self._wakeup.set()
+
     async def stats(self) -> dict:
         stats = self.engine.stats()
         stats["engine_alive"] = self._dead is None
@@ -114,6 +121,7 @@ class AsyncEngine:
                 with self._lock:
                     adds, self._inbox_adds = self._inbox_adds, []
                     aborts, self._inbox_aborts = self._inbox_aborts, []
+                    pauses, self._inbox_pauses = self._inbox_pauses, []
                 for request in adds:
                     try:
                         self.engine.add_request(request)
@@ -121,7 +129,10 @@ class AsyncEngine:
                         self._deliver(request.request_id, exc)
                 for request_id in aborts:
                     self.engine.abort_request(request_id)
+                for session_key, expected_s in pauses:
+                    self.engine.pause_session(session_key, expected_s)
                 if not self.engine.has_unfinished_requests():
+                    self.engine.run_timers()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue

@@ -73,6 +73,11 @@ class RemoteEngineClient:
     async def abort(self, request_id: str) -> None:
         await self._request("POST", "/v1/abort", json={"request_id": request_id})
 
+    async def pause_session(self, session_key: str, expected_s: float) -> None:
+        await self._request(
+            "POST", "/v1/pause", json={"session_key": session_key, "expected_s": expected_s}
+        )
+
     async def stats(self) -> dict:
         return await self._request("GET", "/v1/stats")
 

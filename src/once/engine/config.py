@@ -9,6 +9,8 @@ from once.model_files import DEFAULT_MODEL
 
 CPU_GEMMS = ("onednn", "torch")
 KV_OFFLOAD_MODES = ("write_through", "write_back")
+# once.sim.eviction's policies that need no view of the future.
+ONLINE_EVICTION_POLICIES = ("lru", "leaf-lru", "lfu-da", "reuse")
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,10 @@ class EngineConfig:
     kv_offload: str = "write_through"
     kv_load_timeout_s: float = 2.0  # a request waits this long for a prefetch at most
     kv_host_eviction: str = "lru"  # L2's policy, a name from once.sim.eviction
+    kv_eviction: str = "lru"  # the device pool's policy, a name from once.sim.eviction
+    # Session pause hints (kv/session_pauses.py): a pause expected to last up to this long
+    # keeps the session's blocks in the device pool; a longer one offloads them.
+    kv_pause_keep_s: float = 10.0
 
     def __post_init__(self):
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
@@ -65,6 +71,13 @@ class EngineConfig:
             raise ValueError(
                 f"kv_offload must be one of {KV_OFFLOAD_MODES}, got {self.kv_offload!r}"
             )
+        for name in ("kv_eviction", "kv_host_eviction"):
+            if getattr(self, name) not in ONLINE_EVICTION_POLICIES:
+                raise ValueError(
+                    f"{name} must be one of {ONLINE_EVICTION_POLICIES}, got {getattr(self, name)!r}"
+                )
+        if not (math.isfinite(self.kv_pause_keep_s) and self.kv_pause_keep_s >= 0):
+            raise ValueError(f"kv_pause_keep_s must be >= 0, got {self.kv_pause_keep_s}")
         if self.kv_host_blocks < 0 or self.kv_disk_gib <= 0 or self.kv_load_timeout_s < 0:
             raise ValueError("kv_host_blocks, kv_disk_gib and kv_load_timeout_s must be >= 0")
 

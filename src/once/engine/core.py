@@ -18,6 +18,7 @@ from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_fro
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
+from once.engine.kv.session_pauses import SessionPauses
 from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory
@@ -42,6 +43,7 @@ from once.protocol.errors import (
     InvalidRequestError,
     OnceError,
 )
+from once.sim.eviction import eviction_factory
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +106,12 @@ class LLMEngine:
             dtype,
             config.device,
         )
-        self.pool = BlockPool(num_blocks, block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(
+            num_blocks,
+            block_size,
+            config.enable_prefix_caching,
+            eviction_factory(config.kv_eviction, config.seed),
+        )
         self.kv_publisher = None
         self.connector: KVConnector | None = None  # set below, once the tiers are built
         if config.kv_events_endpoint:
@@ -119,6 +126,7 @@ class LLMEngine:
             connector = build_kv_tiers(config, self.model_path, block_shape, dtype, num_blocks)
         self.connector = connector
         self.kv = KVCacheManager(self.pool, connector, self._load_block)
+        self.pauses = SessionPauses(self.pool, connector, self._read_block, config.kv_pause_keep_s)
         if connector is not None and connector.wants_evicted:
             self.pool.on_evict = self._offload_evicted
         if connector is not None and self.pool.record_events:
@@ -225,8 +233,18 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------
 
+    def pause_session(self, session_key: str, expected_s: float) -> None:
+        """The session's agent runs a tool expected to take `expected_s` (a hint)."""
+        self.pauses.pause(session_key, expected_s)
+
+    def run_timers(self) -> None:
+        """Work due at a time rather than at a step: prefetches before a pause ends."""
+        if self.pauses.due:
+            self.pauses.run_due()
+
     def step(self) -> list[TokenDelta]:
         deltas = self._take_pending()  # of requests aborted since the last step
+        self.run_timers()
         if self.drafter is not None:
             self._propose_drafts()
         out = self.scheduler.schedule()
@@ -385,6 +403,7 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.on_finished(request)
         self.requests.pop(request.request_id, None)
+        self.pauses.finished(request.session_key, request.block_hashes)
         if request.num_emitted_tokens == 0 and delta.num_cached_tokens is None:
             delta.num_cached_tokens = request.metrics.num_cached_tokens
         delta.finish_reason = request.finish_reason
@@ -411,6 +430,12 @@ class LLMEngine:
         v = self.kv_cache.v[:, block.block_id]
         self.connector.evicted(block.block_hash, k, v)
 
+    def _read_block(self, block_hash: int):
+        block = self.pool.cached.get(block_hash)
+        if block is None:
+            return None
+        return self.kv_cache.k[:, block.block_id], self.kv_cache.v[:, block.block_id]
+
     def _load_block(self, block_id: int, block_hash: int) -> bool:
         assert self.connector is not None  # the manager loads only with a connector
         return self.connector.load(
@@ -436,6 +461,8 @@ class LLMEngine:
             "num_kv_blocks_cached": pool.num_cached_blocks,
             "kv_block_usage": pool.num_used_blocks / pool.num_blocks,
             "num_kv_evictions": pool.num_evictions,
+            "num_kv_keeps_broken": pool.num_keeps_broken,
+            **self.pauses.counters,
             "prefix_cache_query_tokens": queried,
             "prefix_cache_hit_tokens": self.kv.num_hit_tokens,
             "prefix_cache_hit_rate": self.kv.num_hit_tokens / queried if queried else 0.0,

@@ -90,6 +90,7 @@ class ScriptedEngine:
         # What tests inspect: every request received, and how each one ended.
         self.requests: list[GenerateRequest] = []
         self.finish_reasons: dict[str, str] = {}
+        self.pauses: list[tuple[str, float]] = []  # pause hints: (session key, seconds)
         self._counters = dict.fromkeys(
             (
                 "num_requests_finished",
@@ -174,6 +175,9 @@ class ScriptedEngine:
         event = self._abort_events.get(request_id)
         if event is not None:
             event.set()
+
+    async def pause_session(self, session_key: str, expected_s: float) -> None:
+        self.pauses.append((session_key, expected_s))  # kept for tests; nothing is cached
 
     async def stats(self) -> dict:
         # The real engine's keys (core.LLMEngine.stats), minus what a fake cannot know.

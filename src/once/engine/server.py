@@ -41,6 +41,7 @@ from once.protocol.engine import (
     GenerateRequest,
     SamplingParams,
     TokenDelta,
+    is_seconds,
 )
 from once.protocol.errors import EngineOverloadedError, InvalidRequestError, OnceError
 
@@ -241,6 +242,25 @@ def build_engine_app(engine: EngineClient, *, model_name: str) -> FastAPI:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         await engine.abort(request_id)
         return {"request_id": request_id, "aborted": True}
+
+    @app.post("/v1/pause")
+    async def pause(http_request: Request) -> dict:
+        # A session pause hint (engine/kv/session_pauses.py).
+        try:
+            data = json.loads(await http_request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidRequestError(f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise InvalidRequestError("the body must be a JSON object")
+        session_key, expected_s = data.get("session_key"), data.get("expected_s")
+        if not isinstance(session_key, str) or not session_key:
+            raise InvalidRequestError("session_key must be a non-empty string", param="session_key")
+        if not isinstance(expected_s, int | float) or not is_seconds(expected_s):
+            raise InvalidRequestError("expected_s must be seconds >= 0", param="expected_s")
+        pause_session = getattr(engine, "pause_session", None)
+        if pause_session is not None:
+            await pause_session(session_key, float(expected_s))
+        return {"session_key": session_key, "hinted": pause_session is not None}
 
     @app.get("/v1/stats")
     async def stats() -> dict:

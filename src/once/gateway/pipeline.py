@@ -40,6 +40,7 @@ from once.gateway.hosted import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, Ho
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED, OutputEvent, Usage
+from once.gateway.pause_hints import pause_hint
 from once.gateway.prefix_states import KeptState, PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.ratelimit import RateLimiter
@@ -227,6 +228,7 @@ class ResponsePipeline:
                     store_error = await self._save(prepared, final, encoder)
                     if store_error is not None:
                         self._report_store_failure(prepared, store_error, encoder, wire)
+                    self._hint_pause(prepared)
                 framed = frame(wire)
                 t1 = time.perf_counter()
                 prepared.cpu_s += t1 - t0
@@ -396,6 +398,14 @@ class ResponsePipeline:
             self._verifications.add(task)
             task.add_done_callback(self._verifications.discard)
         return task
+
+    def _hint_pause(self, prepared: Prepared) -> None:
+        # Sent as the response completes: the engine hears before the client continues.
+        finished = prepared.output.finished
+        if finished is not None and finished.status == COMPLETED:
+            hint = pause_hint(prepared.request, prepared.output.items, self.engine)
+            if hint is not None:
+                self._keep_until_done(asyncio.create_task(hint))
 
     def _keep_until_done(self, task: asyncio.Task) -> None:
         """Hold a reference to a task left to finish on its own (the loop keeps weak ones)."""

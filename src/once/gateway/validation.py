@@ -13,6 +13,7 @@ import io
 from once.gateway.aliases import ModelAliases
 from once.gateway.constraints import callable_tools, check_tool_grammars, forced_names
 from once.gateway.model import ModelRuntime
+from once.gateway.pause_hints import pause_table
 from once.gateway.tool_items import OUTPUT_TYPES, output_item_text
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
 from once.protocol.responses import MESSAGE, ResponsesRequest, message_text
@@ -36,6 +37,7 @@ def check_semantics(
         )
     check_tool_choice(request)
     check_tool_grammars(request.tools)
+    pause_table(request.metadata)  # raises on a malformed tool pause hint
     if request.background:
         raise InvalidRequestError("background responses are not supported", param="background")
     if request.text_format not in TEXT_FORMATS:

@@ -6,6 +6,7 @@ is plain data; nothing imports torch.
 """
 
 import json
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -327,3 +328,21 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def stats(self) -> dict: ...
+
+
+def is_seconds(value: object) -> bool:
+    """A finite number of seconds >= 0 (not a bool)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+@runtime_checkable
+class SessionPauseHints(Protocol):
+    """Optional beside EngineClient: the session's agent now runs a tool for about
+    `expected_s` seconds (engine/kv/session_pauses.py says what an engine does with it)."""
+
+    async def pause_session(self, session_key: str, expected_s: float) -> None: ...

@@ -44,7 +44,7 @@ replicas use the approximate index.
 import asyncio
 import contextlib
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -53,6 +53,8 @@ from once.protocol.errors import EngineDeadError, EngineOverloadedError
 from once.protocol.kv_blocks import block_hashes, extend_block_hashes
 from once.router.policies import Policy, RequestView, make_policy
 from once.router.replicas import Replica
+
+MAX_SESSIONS = 65536  # sessions whose last replica is remembered for pause hints
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,8 @@ class Router:
         self.rng = random.Random(self.config.seed)
         self.decisions: deque[tuple[str, str]] = deque(maxlen=self.config.max_decisions)
         self._where: dict[str, Replica] = {}  # request id -> replica serving it now
+        # session key -> the replica of its last call: where a pause hint is useful.
+        self._session_where: OrderedDict[str, Replica] = OrderedDict()
         self._health_task: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # replica streams being closed
         self.counters = dict.fromkeys(
@@ -182,6 +186,13 @@ class Router:
         replica = self._where.get(request_id)
         if replica is not None:
             await replica.client.abort(request_id)
+
+    async def pause_session(self, session_key: str, expected_s: float) -> None:
+        """A pause hint goes to the replica that holds the session's blocks."""
+        replica = self._session_where.get(session_key)
+        pause = getattr(replica.client, "pause_session", None) if replica else None
+        if pause is not None:
+            await pause(session_key, expected_s)
 
     async def stats(self) -> dict:
         replicas = {replica.name: replica.stats() for replica in self.replicas}
@@ -264,6 +275,11 @@ class Router:
         """The replica's deltas, with its bookkeeping; a replica fault -> ReplicaFailure."""
         replica.on_dispatch(request, hashes)
         self._where[request.request_id] = replica
+        if request.session_key:
+            self._session_where[request.session_key] = replica
+            self._session_where.move_to_end(request.session_key)
+            if len(self._session_where) > MAX_SESSIONS:
+                self._session_where.popitem(last=False)
         output_ids: list[int] = []
         num_cached: int | None = None
         first = True

@@ -69,6 +69,10 @@ class EvictionPolicy:
         """Remove and return one evictable block (the cache calls it only when len() > 0)."""
         raise NotImplementedError
 
+    def demote(self, block_hash: int, now: float) -> None:
+        """An evictable block is known not to be needed soon (its session paused for a long
+        tool): make it among the first to go. A policy may ignore it."""
+
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -95,6 +99,10 @@ class LRU(EvictionPolicy):
 
     def evict(self, now: float) -> int:
         return self.order.popitem(last=False)[0]
+
+    def demote(self, block_hash: int, now: float) -> None:
+        if block_hash in self.order:
+            self.order.move_to_end(block_hash, last=False)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -168,9 +176,20 @@ class LeafFirstPolicy(EvictionPolicy):
     def evict(self, now: float) -> int:
         return self._evict_leaf(now)[0]
 
+    def demote(self, block_hash: int, now: float) -> None:
+        # As if released long ago and never hit: last for recency, frequency and density.
+        info = self.blocks.get(block_hash)
+        if info is not None and info.evictable:
+            info.last_access_s = info.released_s = info.score = 0.0
+            info.num_hits = 0
+
     def _evict_leaf(self, now: float) -> tuple[int, BlockInfo]:
         # `evict`, with the victim's info for the policies that learn from their victims.
         leaves = self.leaves
+        if not leaves:
+            # No leaf but evictable blocks: their children are held outside the prefix
+            # tree's rule (the engine's kept blocks). Any evictable block may go then.
+            leaves = [block_hash for block_hash in self]
         if self.sample_size is None or len(leaves) <= self.sample_size:
             candidates = leaves
         else:

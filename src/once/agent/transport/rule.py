@@ -1,6 +1,7 @@
 """The incremental rule of WebSocket mode: when a request may go as only its new items.
 
-A request continues the previous one when every non-input field is unchanged and its
+A request continues the previous one when every non-input field but `metadata` is
+unchanged (metadata goes with each call; it is not part of the prompt) and its
 input is the previous input, then the previous output, then new items. Then the client
 sends `{previous_response_id, input: new items}` (once's WebSocket mode inherits the
 omitted fields from the previous response on the connection); otherwise the full request.
@@ -18,6 +19,9 @@ INPUT_NOT_A_LIST = "input_not_a_list"
 FIELDS_CHANGED = "fields_changed"  # model, instructions, tools, ... differ
 HISTORY_EDITED = "history_edited"  # an item of the previous input was changed or dropped
 OUTPUT_NOT_KEPT = "output_not_kept"  # the previous output is not appended verbatim
+# Sent with every call, incremental or not, and free to change between calls: they do not
+# enter the prompt (metadata carries the harness's tool pause hints, gateway/pause_hints.py).
+PER_CALL_FIELDS = ("metadata",)
 
 
 def full_request_reason(
@@ -30,7 +34,7 @@ def full_request_reason(
         return FIRST_CALL
     if not isinstance(request.get("input"), list) or not isinstance(previous.get("input"), list):
         return INPUT_NOT_A_LIST
-    if canonical_json(non_input_fields(previous)) != canonical_json(non_input_fields(request)):
+    if canonical_json(_inherited_fields(previous)) != canonical_json(_inherited_fields(request)):
         return FIELDS_CHANGED
     previous_input, current_input = previous["input"], request["input"]
     if not same_items(previous_input, current_input[: len(previous_input)]):
@@ -53,11 +57,21 @@ def incremental_request(
         return request
     assert previous is not None  # a first call (no previous request) is always sent in full
     num_kept = len(previous["input"]) + len(previous_output or [])
-    return {"previous_response_id": previous_response_id, "input": request["input"][num_kept:]}
+    per_call = {key: request[key] for key in PER_CALL_FIELDS if key in request}
+    return {
+        "previous_response_id": previous_response_id,
+        "input": request["input"][num_kept:],
+        **per_call,
+    }
 
 
 def non_input_fields(request: dict) -> dict:
     return {key: value for key, value in request.items() if key != "input"}
+
+
+def _inherited_fields(request: dict) -> dict:
+    return {key: value for key, value in non_input_fields(request).items()
+            if key not in PER_CALL_FIELDS}  # fmt: skip
 
 
 def same_items(expected: Sequence[Any], actual: Sequence[Any]) -> bool:

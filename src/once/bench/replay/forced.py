@@ -103,5 +103,10 @@ class ForcedOutputEngine:
     async def abort(self, request_id: str) -> None:
         await self.inner.abort(request_id)
 
+    async def pause_session(self, session_key: str, expected_s: float) -> None:
+        pause = getattr(self.inner, "pause_session", None)
+        if pause is not None:
+            await pause(session_key, expected_s)
+
     async def stats(self) -> dict:
         return await self.inner.stats()

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from once.bench.replay.ledger import EVICTED, merge, session_ledger
+from once.bench.replay.pacing import RECORDED
 from once.bench.replay.routing import StackRun
 from once.bench.replay.stacks import ONCE
 
 PRESSURE = "once-kv-pressure"
 TIERS = "once-kv-tiers"
+HINTS = "once-kv-hints"
 VARIANTS = (PRESSURE, TIERS)
+ENGINE_FIGURES = ("kv_tier_", "kv_pause_")  # engine stats copied into the section
 
 
 def add_kv_pressure_arguments(parser) -> None:
@@ -40,6 +45,13 @@ def add_kv_pressure_arguments(parser) -> None:
     group.add_argument(
         "--kv-offload", choices=("write_through", "write_back"), default="write_through"
     )
+    group.add_argument(
+        "--kv-hints", action="store_true", help=f"also {HINTS}: {TIERS} with the client's "
+        "tool pause hints (needs --pacing recorded)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-host-tier-only", action="store_true", help="no disk tier under the host tier"
+    )
 
 
 def check_kv_pressure_args(args) -> str | None:
@@ -50,6 +62,8 @@ def check_kv_pressure_args(args) -> str | None:
         return "--kv-blocks and --kv-host-blocks must be >= 1"
     if getattr(args, "replicas", 1) > 1:
         return "--kv-blocks replays one in-process engine: it does not take --replicas"
+    if getattr(args, "kv_hints", False) and getattr(args, "pacing", None) != RECORDED:
+        return "--kv-hints needs --pacing recorded: a hint is about the pause after a call"
     return None
 
 
@@ -59,14 +73,26 @@ def pressure_runs(args, disk_folder: str) -> list[StackRun]:
         return []
     tiers = {
         "kv_host_blocks": args.kv_host_blocks or 4 * blocks,
-        "kv_disk_path": disk_folder,
-        "kv_disk_gib": args.kv_disk_gib,
         "kv_offload": args.kv_offload,
     }
-    return [
+    if not getattr(args, "kv_host_tier_only", False):
+        tiers |= {"kv_disk_path": disk_folder, "kv_disk_gib": args.kv_disk_gib}
+    runs = [
         StackRun(replace(ONCE, name=PRESSURE), {"num_kv_blocks": blocks}),
         StackRun(replace(ONCE, name=TIERS), {"num_kv_blocks": blocks, "kv_tiers": tiers}),
     ]
+    if getattr(args, "kv_hints", False):
+        # Its own disk folder: the disk tier outlives an engine, and must start empty.
+        hinted_tiers = dict(tiers)
+        if "kv_disk_path" in tiers:
+            hinted_tiers["kv_disk_path"] = disk_folder + "-hints"
+        options = {"num_kv_blocks": blocks, "kv_tiers": hinted_tiers}
+        runs.append(StackRun(replace(ONCE, name=HINTS, pause_hints=True), options))
+    return runs
+
+
+def variant_names(args) -> tuple[str, ...]:
+    return (*VARIANTS, HINTS) if getattr(args, "kv_hints", False) else VARIANTS
 
 
 def stack_totals(name: str, plans, records, block_size: int, prefix_caching: bool) -> dict:
@@ -83,7 +109,7 @@ def stack_totals(name: str, plans, records, block_size: int, prefix_caching: boo
 
 def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict:
     section: dict = {"kv_blocks": args.kv_blocks, "variants": {}}
-    for name in ("once", *VARIANTS):
+    for name in ("once", *variant_names(args)):
         totals = stack_totals(name, plans, records, block_size, prefix_caching=True)
         engine = counters[name]["engine"]
         section["variants"][name] = {
@@ -95,15 +121,30 @@ def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict
             "ttft_p50_s": totals["ttft_p50_s"],
             "ttft_p95_s": totals["ttft_p95_s"],
             "wall_s": totals["wall_s"],
+            "ttft_after_pause_p90_s": after_pause_ttft_p90(records[name]),
             "num_kv_evictions": engine["num_kv_evictions"],
-            **{key: value for key, value in engine.items() if key.startswith("kv_tier_")},
+            "num_kv_keeps_broken": engine.get("num_kv_keeps_broken", 0),
+            **{key: value for key, value in engine.items() if key.startswith(ENGINE_FIGURES)},
         }
     without, with_tiers = (section["variants"][name]["evicted_tokens"] for name in VARIANTS)
     section["evicted_ratio_tiers_vs_none"] = round(with_tiers / without, 4) if without else None
+    if HINTS in section["variants"]:
+        hinted, unhinted = (
+            section["variants"][n]["ttft_after_pause_p90_s"] for n in (HINTS, TIERS)
+        )
+        section["after_pause_ttft_p90_ratio_hints_vs_none"] = (
+            round(hinted / unhinted, 4) if unhinted else None
+        )
     section["outputs_identical"] = all(
         v["outputs_not_as_recorded"] == 0 for v in section["variants"].values()
     )
     return section
+
+
+def after_pause_ttft_p90(records_by_session: dict[str, list[dict]]) -> float | None:
+    """p90 client TTFT of the calls that follow a tool pause (all but each first call)."""
+    ttfts = [row["ttft_s"] for rows in records_by_session.values() for row in rows[1:]]
+    return round(float(np.percentile(ttfts, 90)), 4) if ttfts else None
 
 
 def print_kv_pressure(section: dict, out) -> None:
@@ -120,3 +161,6 @@ def print_kv_pressure(section: dict, out) -> None:
         f"(bar <= 0.2); outputs identical: {section['outputs_identical']}",
         file=out,
     )
+    ratio = section.get("after_pause_ttft_p90_ratio_hints_vs_none")
+    if ratio is not None:
+        print(f"p90 TTFT after a tool pause, hints / none: {ratio} (bar <= 0.6)", file=out)

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from once.agent.doctor import CacheDoctor
+from once.agent.pauses import ToolPauseEstimates
 from once.agent.transport.base import TransportError, payload_bytes
 from once.agent.transport.rule import full_request_reason, non_input_fields
 from once.bench.replay.plan import SessionPlan
@@ -108,11 +109,15 @@ async def replay_session(
     id_map: dict[str, str] = {}  # recorded tool-call id -> the server's
     matches: dict[int, bool] = {}
     records = []
+    # A harness's running estimate of its tools' times (the waits it has seen so far).
+    pauses = ToolPauseEstimates() if stack.spec.pause_hints and tool_times_s else None
     try:
         for position, (call, reference) in enumerate(zip(plan.calls, plan.reference, strict=True)):
             previous = call.previous_in_chain
             request = _request_to_send(plan, position, sent, returned, matches, id_map)
             request["prompt_cache_key"] = key
+            if pauses is not None and pauses.seconds:
+                request["metadata"] = pauses.metadata()
             bytes_new = _new_bytes(
                 request,
                 sent.get(previous) if previous is not None else None,
@@ -188,10 +193,19 @@ async def replay_session(
             if on_call is not None:
                 on_call()
             if tool_times_s and position + 1 < len(plan.calls):
-                await asyncio.sleep(tool_times_s[min(position, len(tool_times_s) - 1)])
+                wait_s = tool_times_s[min(position, len(tool_times_s) - 1)]
+                if pauses is not None:
+                    names: list[str | None] = [*_tool_names(output)] or [None]
+                    for name in names:
+                        pauses.observe(name, wait_s)  # None: a text action
+                await asyncio.sleep(wait_s)
     finally:
         await transport.close()
     return records
+
+
+def _tool_names(output: list[dict]) -> list[str]:
+    return [item.get("name", "") for item in output if item.get("type") == "function_call"]
 
 
 async def _send_with_retries(transport, request, on_event, first_event, what: str):

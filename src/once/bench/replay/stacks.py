@@ -50,6 +50,8 @@ class StackSpec:
     incremental_tokenization: bool = True  # False: the gateway renders every prompt in full
     speculative_method: str = ""  # the engine's drafter ("ngram", "suffix"); "" is off
     api: str = "responses"  # or "chat" (Chat Completions), "messages" (Anthropic Messages)
+    # The client sends its running tool-time estimates as pause hints (agent/pauses.py).
+    pause_hints: bool = False
 
 
 ONCE = StackSpec("once", websocket=True, prefix_caching=True)

@@ -204,4 +204,5 @@ class KVCacheManager:
                 continue
             parent = request.block_hashes[i - 1] if i else None
             tokens = request.all_token_ids[i * self.block_size : (i + 1) * self.block_size]
-            self.pool.cache_block(block, request.block_hashes[i], parent, tokens)
+            parent_held = i == 0 or blocks[i - 1].block_hash == parent
+            self.pool.cache_block(block, request.block_hashes[i], parent, tokens, parent_held)

@@ -9,7 +9,7 @@ from once.engine.kv.block_codec import layout_fingerprint
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.tiered_connector import TieredConnector
-from once.sim.eviction import ORACLE_EVICTION_POLICIES, eviction_factory
+from once.sim.eviction import eviction_factory
 
 
 def model_identity(model_path: Path) -> str:
@@ -35,8 +35,6 @@ def build_kv_tiers(
     head dim), as the device cache's [:, block_id] gives it."""
     if not config.has_kv_tiers:
         return None
-    if config.kv_host_eviction in ORACLE_EVICTION_POLICIES:
-        raise ValueError(f"kv_host_eviction {config.kv_host_eviction!r} needs the future")
     policy = eviction_factory(config.kv_host_eviction, config.seed)()
     fingerprint = layout_fingerprint(model_identity(model_path), dtype, block_shape)
     # Loads from disk or Redis are staged in host memory before the device copies them:
