@@ -35,6 +35,7 @@ def _engine_config(args):
             kv_eviction=args.kv_eviction,
             kv_host_eviction=args.kv_host_eviction,
             kv_pause_keep_s=args.kv_pause_keep_s,
+            kv_pause_hints=True if args.kv_pause_hints else None,
         )
     except ValueError as exc:
         raise SystemExit(f"once: error: bad engine setting: {exc}") from None
@@ -107,6 +108,11 @@ def _add_engine_flags(parser):
         cache.add_argument(
             flag, choices=ONLINE_EVICTION_POLICIES, default=None, help=f"{where}'s policy (lru)"
         )
+    cache.add_argument(
+        "--kv-pause-hints",
+        action="store_true",
+        help="act on the sessions' tool pause hints (off: they are counted and ignored)",
+    )
     cache.add_argument(
         "--kv-pause-keep-s",
         type=float,

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from once.bench.replay import cli
-from once.bench.replay.kv_pressure import PRESSURE, TIERS
+from once.bench.replay.kv_pressure import HINTS, PRESSURE, TIERS
 from tests.bench.test_replay_report import _args, _session
 
 
@@ -15,7 +15,8 @@ def pressure_report():
     sessions = [("folder-a", _session("a")), ("folder-b", _session("b"))]
     # A session reaches 752 tokens (47 blocks of 16): 48 blocks hold one, not two.
     args = _args(concurrency=2, kv_blocks=48, kv_host_blocks=None, kv_disk_gib=0.1,
-                 kv_offload="write_through")  # fmt: skip
+                 kv_offload="write_through", kv_hints=True, pacing="recorded",
+                 time_scale=0.005)  # fmt: skip
     return asyncio.run(cli.run_replay(sessions, args))
 
 
@@ -43,3 +44,17 @@ def test_what_the_tiers_served_counts_as_cached_not_as_never_computed(pressure_r
     for rows in pressure_report["calls"][TIERS].values():
         for row in rows:
             assert row["computed_tokens"] >= row["prompt_tokens"] - row["cached_tokens"]
+
+
+def test_the_hinted_variant_sends_a_hint_after_every_call_and_the_engine_keeps_blocks(
+    pressure_report,
+):
+    section = pressure_report["kv_pressure"]
+    hinted = section["variants"][HINTS]
+    # Text-action sessions (mini-swe-agent): every reply after the first carries the
+    # running estimate, so calls 1-3 of each of the 2 sessions end in a hint.
+    assert hinted["kv_pause_hints"] == 6 and hinted["kv_pause_unknown_sessions"] == 0
+    assert hinted["kv_pause_kept_blocks"] > 0
+    assert section["variants"][TIERS].get("kv_pause_hints", 0) == 0
+    assert section["after_pause_ttft_p90_ratio_hints_vs_none"] is not None
+    assert section["outputs_identical"]

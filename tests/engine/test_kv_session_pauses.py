@@ -9,7 +9,12 @@ from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.manager import KVCacheManager
-from once.engine.kv.session_pauses import KEEP_MARGIN_S, KEEP_SLACK, SessionPauses
+from once.engine.kv.session_pauses import (
+    KEEP_MARGIN_S,
+    KEEP_SLACK,
+    WAITING_KEEP_S,
+    SessionPauses,
+)
 from once.engine.request import Request
 from once.gateway.pause_hints import METADATA_KEY, expected_pause_s, pause_table
 from once.protocol.engine import GenerateRequest, SamplingParams
@@ -148,7 +153,10 @@ def test_short_pause_keeps_long_pause_offloads_demotes_and_prefetches_before_it_
     pauses.finished("s-b", b.block_hashes)
     pauses.pause("s-a", 2.0)
     assert set(pool.kept) == set(a.block_hashes)
-    assert pool.keep_until[a.block_hashes[0]] == clock.now + 2.0 * KEEP_SLACK + KEEP_MARGIN_S
+    assert pool.keep_until[a.block_hashes[0]] == (
+        clock.now + 2.0 * KEEP_SLACK + KEEP_MARGIN_S,
+        clock.now + 2.0,
+    )
     pauses.pause("s-b", 60.0)
     assert set(connector.host) == set(b.block_hashes)  # written down at once (write-back)
     assert list(pool.policy) == b.block_hashes[::-1]  # demoted: first to go, tail first
@@ -161,6 +169,26 @@ def test_short_pause_keeps_long_pause_offloads_demotes_and_prefetches_before_it_
     assert connector.prefetched == [b.block_hashes[1:]]
     pauses.pause("unknown", 1.0)
     assert pauses.counters["kv_pause_unknown_sessions"] == 1
+
+
+def test_a_returning_hinted_session_is_kept_while_it_waits_and_an_unhinted_one_is_not():
+    clock = Clock()
+    pool = BlockPool(8, 4, clock=clock)
+    kv = KVCacheManager(pool)
+    pauses = SessionPauses(pool, None, lambda h: None, keep_s=10.0, clock=clock)
+    a = run_and_free(kv, "a", range(9), session="s-a")
+    pauses.finished("s-a", a.block_hashes)
+    pauses.arrived("s-a")  # never hinted: left to the policy
+    assert not pool.kept
+    pauses.pause("s-a", 0.5)
+    clock.now += 10  # the pause ran long: the keep lapsed before the next call came
+    pool.get_new_blocks(0)
+    pauses.arrived("s-a")
+    assert set(pool.kept) == set(a.block_hashes)
+    assert pool.keep_until[a.block_hashes[0]] == (clock.now + WAITING_KEEP_S, clock.now)
+    hits, _ = kv.match_prefix(make_request("a2", list(range(9)) + [5], session="s-a"))
+    pool.touch(hits)  # admitted: the hit ends the keep
+    assert not pool.kept
 
 
 def test_pause_table_parses_the_metadata_field_and_rejects_bad_values_naming_the_param():
@@ -197,7 +225,10 @@ def run_session(engine, request_id, tokens, session=None):
 def test_a_short_pause_hint_keeps_the_paused_session_where_lru_would_evict_it(
     tiny_model_dir, hinted
 ):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=16))
+    config = EngineConfig(
+        model=str(tiny_model_dir), block_size=4, num_kv_blocks=16, kv_pause_hints=True
+    )
+    engine = LLMEngine(config)
     run_session(engine, "first", FIRST, session="s")  # 6 cached blocks, the oldest
     if hinted:
         engine.pause_session("s", 1.0)
@@ -217,6 +248,7 @@ def test_a_long_pause_hint_offloads_at_once_in_write_back(tiny_model_dir):
         num_kv_blocks=16,
         kv_host_blocks=64,
         kv_offload="write_back",
+        kv_pause_hints=True,
     )
     engine = LLMEngine(config)
     run_session(engine, "first", FIRST, session="s")
@@ -226,3 +258,12 @@ def test_a_long_pause_hint_offloads_at_once_in_write_back(tiny_model_dir):
     assert stats["kv_pause_offloaded_blocks"] == 6 and stats["kv_tier_host_saved_blocks"] == 6
     assert stats["kv_pause_demoted_blocks"] == 6
     engine.close()
+
+
+def test_hints_are_counted_and_ignored_unless_the_engine_takes_them(tiny_model_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, num_kv_blocks=16))
+    run_session(engine, "first", FIRST, session="s")
+    engine.pause_session("s", 1.0)
+    stats = engine.stats()
+    assert stats["num_pause_hints_ignored"] == 1 and stats["kv_pause_hints"] == 0
+    assert not engine.pool.kept

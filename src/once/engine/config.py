@@ -58,8 +58,10 @@ class EngineConfig:
     kv_load_timeout_s: float = 2.0  # a request waits this long for a prefetch at most
     kv_host_eviction: str = "lru"  # L2's policy, a name from once.sim.eviction
     kv_eviction: str = "lru"  # the device pool's policy, a name from once.sim.eviction
-    # Session pause hints (kv/session_pauses.py): a pause expected to last up to this long
+    # Session pause hints (kv/session_pauses.py), off by default: on the default replay
+    # sample they did not pay (DESIGN.md). A pause expected to last up to kv_pause_keep_s
     # keeps the session's blocks in the device pool; a longer one offloads them.
+    kv_pause_hints: bool = False
     kv_pause_keep_s: float = 10.0
 
     def __post_init__(self):

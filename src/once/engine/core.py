@@ -146,6 +146,7 @@ class LLMEngine:
                 "num_requests_finished",
                 "num_requests_aborted",
                 "num_requests_rejected",  # refused: the waiting queue was full
+                "num_pause_hints_ignored",  # kv_pause_hints is off
                 "num_prompt_tokens",
                 "num_cached_prompt_tokens",
                 "num_computed_prompt_tokens",
@@ -219,6 +220,7 @@ class LLMEngine:
         if constraint is not None and request.forced_output_ids is None:
             state.grammar = self.grammars.matcher(constraint)
         self.requests[request.request_id] = state
+        self.pauses.arrived(request.session_key)
         self.scheduler.add(state)
 
     def abort_request(self, request_id: str) -> None:
@@ -235,7 +237,10 @@ class LLMEngine:
 
     def pause_session(self, session_key: str, expected_s: float) -> None:
         """The session's agent runs a tool expected to take `expected_s` (a hint)."""
-        self.pauses.pause(session_key, expected_s)
+        if self.config.kv_pause_hints:
+            self.pauses.pause(session_key, expected_s)
+        else:
+            self.counters["num_pause_hints_ignored"] += 1
 
     def run_timers(self) -> None:
         """Work due at a time rather than at a step: prefetches before a pause ends."""

@@ -83,7 +83,7 @@ def pressure_runs(args, disk_folder: str) -> list[StackRun]:
     ]
     if getattr(args, "kv_hints", False):
         # Its own disk folder: the disk tier outlives an engine, and must start empty.
-        hinted_tiers = dict(tiers)
+        hinted_tiers = {**tiers, "kv_pause_hints": True}
         if "kv_disk_path" in tiers:
             hinted_tiers["kv_disk_path"] = disk_folder + "-hints"
         options = {"num_kv_blocks": blocks, "kv_tiers": hinted_tiers}

@@ -205,7 +205,11 @@ class Stack:
                     "num_requests_finished",
                 )
             }
-            | {key: value for key, value in engine.items() if key.startswith("kv_tier_")},
+            | {
+                key: value
+                for key, value in engine.items()
+                if key.startswith(("kv_tier_", "kv_pause_")) or key == "num_kv_keeps_broken"
+            },
             "gateway": {
                 "prompt_tokens": value(metrics.prompt_tokens),
                 "tokenized_tokens": value(metrics.tokenized_tokens),

@@ -55,10 +55,10 @@ class BlockPool:
         self.policy = policy_factory()
         self.clock = clock
         self.cached: dict[int, KVBlock] = {}
-        # Keeps: block hash -> deadline for every hinted block, and the free ones among
-        # them, out of the policy (block hash -> deadline).
-        self.keep_until: dict[int, float] = {}
-        self.kept: dict[int, float] = {}
+        # Keeps: block hash -> (when the keep lapses, when the block is expected to be
+        # used) for every hinted block, and the free ones among them, out of the policy.
+        self.keep_until: dict[int, tuple[float, float]] = {}
+        self.kept: dict[int, None] = {}  # in the order they were kept, head first
         self.num_keeps_broken = 0  # kept blocks released early, for room
         # KV events are kept only once a consumer asked for them (a router's exact index,
         # a publisher): nobody would drain them otherwise, and they would grow forever.
@@ -129,7 +129,9 @@ class BlockPool:
             if block.ref_count == 0:
                 if block_hash is None:
                     del self.empty[block.block_id]
-                elif self.kept.pop(block_hash, None) is None:
+                elif block_hash in self.kept:
+                    del self.kept[block_hash]
+                else:
                     self.policy.acquired(block_hash, now)
             if block_hash is not None:
                 self.keep_until.pop(block_hash, None)
@@ -145,9 +147,10 @@ class BlockPool:
                 continue
             if block.block_hash is None:
                 self.empty[block.block_id] = block
-            elif self.keep_until.get(block.block_hash, 0.0) > now:
-                self.kept[block.block_hash] = self.keep_until[block.block_hash]
+            elif self.keep_until.get(block.block_hash, (0.0, 0.0))[0] > now:
+                self.kept[block.block_hash] = None
             else:
+                self.keep_until.pop(block.block_hash, None)
                 self.policy.released(block.block_hash, now)
 
     def cache_block(
@@ -181,21 +184,27 @@ class BlockPool:
         self._record(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
         return True
 
-    def keep(self, block_hashes: Sequence[int], until: float) -> int:
-        """Keep the leading cached run of a session's blocks out of eviction until `until`
-        (a short pause: the session is expected back by then); how many were kept."""
+    def keep(
+        self, block_hashes: Sequence[int], until: float, needed_at: float | None = None
+    ) -> int:
+        """Keep the leading cached run of a session's blocks out of eviction until `until`;
+        `needed_at` (default `until`): when the session is expected to use them, which
+        orders keeps when one must be broken. How many blocks were kept."""
         now = self.clock()
+        needed = until if needed_at is None else needed_at
         count = 0
         for block_hash in block_hashes:
             block = self.cached.get(block_hash)
             if block is None:
                 break  # what follows a missing block is unreachable
-            self.keep_until[block_hash] = max(until, self.keep_until.get(block_hash, 0.0))
+            old_until, old_needed = self.keep_until.get(block_hash, (0.0, needed))
+            if old_until <= now:
+                old_needed = needed  # a lapsed keep counts for nothing
+            # A block shared by sessions: kept for the longest, needed by the soonest.
+            self.keep_until[block_hash] = (max(until, old_until), min(needed, old_needed))
             if block.ref_count == 0 and block_hash not in self.kept:
                 self.policy.acquired(block_hash, now)
-                self.kept[block_hash] = self.keep_until[block_hash]
-            elif block_hash in self.kept:
-                self.kept[block_hash] = self.keep_until[block_hash]
+                self.kept[block_hash] = None
             count += 1
         return count
 
@@ -215,17 +224,18 @@ class BlockPool:
         return count
 
     def _release_keeps(self) -> None:
-        # Nothing empty or evictable: kept blocks whose deadline passed go to the policy,
-        # and if none did, the keep that ends last (the session expected back last).
+        # Nothing empty or evictable: kept blocks whose keep lapsed go to the policy, and
+        # if none did, the keep of the session expected to need its blocks last.
         now = self.clock()
-        expired = [h for h, until in self.kept.items() if until <= now]
+        keeps = self.keep_until
+        expired = [h for h in self.kept if keeps[h][0] <= now]
         if not expired:
-            last = max(self.kept.values())
-            expired = [h for h, until in self.kept.items() if until == last]
+            last = max(keeps[h][1] for h in self.kept)
+            expired = [h for h in self.kept if keeps[h][1] == last]
             self.num_keeps_broken += len(expired)
         for block_hash in reversed(expired):  # kept head first: released tail first
             del self.kept[block_hash]
-            self.keep_until.pop(block_hash, None)
+            del keeps[block_hash]
             self.policy.released(block_hash, now)
 
     def _depth(self, block_hash: int, parent_hash: int) -> int:

@@ -15,6 +15,10 @@ and output: the prefix of the session's next call), and then:
   the pause is expected to end, the part of the run that sits below host memory is
   prefetched back into it; the next call loads it from there.
 
+When the next call of a hinted session arrives, its blocks are kept (WAITING_KEEP_S at
+most) until it is admitted: a pool under pressure would otherwise evict the prefix of a
+request while it waits in the queue for room.
+
 Sessions without hints are left to the eviction policy, as before.
 """
 
@@ -30,6 +34,7 @@ KEEP_SLACK = 2.0  # a tool's time varies: keep for twice the estimate ...
 KEEP_MARGIN_S = 1.0  # ... plus the time to send the next request
 PREFETCH_LEAD_S = 1.0
 MAX_SESSIONS = 4096  # sessions remembered, least recently finished forgotten first
+WAITING_KEEP_S = 30.0  # a returned session's blocks are kept this long for its admission
 
 # (block hash, K of every layer, V of every layer) of one device block.
 BlockReader = Callable[[int], tuple[object, object] | None]
@@ -51,6 +56,7 @@ class SessionPauses:
         self.clock = clock
         self.last_blocks: OrderedDict[str, list[int]] = OrderedDict()
         self.due: list[tuple[float, str]] = []  # (when to prefetch, session), a heap
+        self.hinted: set[str] = set()  # sessions paused on a hint, not back yet
         self.counters = dict.fromkeys(
             ["kv_pause_hints", "kv_pause_kept_blocks", "kv_pause_offloaded_blocks",
              "kv_pause_demoted_blocks", "kv_pause_prefetches", "kv_pause_unknown_sessions"],
@@ -66,16 +72,29 @@ class SessionPauses:
         while len(self.last_blocks) > MAX_SESSIONS:
             self.last_blocks.popitem(last=False)
 
+    def arrived(self, session_key: str | None) -> None:
+        """The next call of a hinted session is here: its blocks are kept while it waits
+        for admission, whose prefix hit ends the keep (and the hint)."""
+        if not session_key or session_key not in self.hinted:
+            return
+        self.hinted.discard(session_key)
+        hashes = self.last_blocks.get(session_key)
+        if hashes:
+            now = self.clock()  # needed now: the last keep to break
+            self.pool.keep(hashes, now + WAITING_KEEP_S, needed_at=now)
+
     def pause(self, session_key: str, expected_s: float) -> None:
         hashes = self.last_blocks.get(session_key)
         self.counters["kv_pause_hints"] += 1
         if hashes is None:
             self.counters["kv_pause_unknown_sessions"] += 1
             return
+        self.hinted.add(session_key)
         now = self.clock()
         if expected_s <= self.keep_s:
             until = now + expected_s * KEEP_SLACK + KEEP_MARGIN_S
-            self.counters["kv_pause_kept_blocks"] += self.pool.keep(hashes, until)
+            kept = self.pool.keep(hashes, until, needed_at=now + expected_s)
+            self.counters["kv_pause_kept_blocks"] += kept
             return
         self._offload(hashes)
         self.counters["kv_pause_demoted_blocks"] += self.pool.demote(hashes)
