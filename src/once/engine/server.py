@@ -202,6 +202,16 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self._on_close()
 
 
+async def _json_object(http_request: Request) -> dict:
+    try:
+        data = json.loads(await http_request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequestError(f"body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError("the body must be a JSON object")
+    return data
+
+
 def build_engine_app(engine: EngineClient, *, model_name: str) -> FastAPI:
     app = FastAPI(title="once engine", docs_url=None, redoc_url=None)
     metrics = EngineMetrics()
@@ -233,11 +243,8 @@ def build_engine_app(engine: EngineClient, *, model_name: str) -> FastAPI:
 
     @app.post("/v1/abort")
     async def abort(http_request: Request) -> dict:
-        try:
-            data = json.loads(await http_request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"body is not valid JSON: {exc}") from None
-        request_id = data.get("request_id") if isinstance(data, dict) else None
+        data = await _json_object(http_request)
+        request_id = data.get("request_id")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         await engine.abort(request_id)
@@ -246,12 +253,7 @@ def build_engine_app(engine: EngineClient, *, model_name: str) -> FastAPI:
     @app.post("/v1/pause")
     async def pause(http_request: Request) -> dict:
         # A session pause hint (engine/kv/session_pauses.py).
-        try:
-            data = json.loads(await http_request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidRequestError(f"body is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise InvalidRequestError("the body must be a JSON object")
+        data = await _json_object(http_request)
         session_key, expected_s = data.get("session_key"), data.get("expected_s")
         if not isinstance(session_key, str) or not session_key:
             raise InvalidRequestError("session_key must be a non-empty string", param="session_key")
