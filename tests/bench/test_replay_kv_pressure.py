@@ -57,4 +57,6 @@ def test_the_hinted_variant_sends_a_hint_after_every_call_and_the_engine_keeps_b
     assert hinted["kv_pause_kept_blocks"] > 0
     assert section["variants"][TIERS].get("kv_pause_hints", 0) == 0
     assert section["after_pause_ttft_p90_ratio_hints_vs_none"] is not None
+    assert section["after_pause_computed_ratio_hints_vs_none"] is not None
+    assert 0 < hinted["computed_tokens_after_pause"] <= hinted["computed_tokens"]
     assert section["outputs_identical"]

@@ -122,6 +122,10 @@ def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict
             "ttft_p95_s": totals["ttft_p95_s"],
             "wall_s": totals["wall_s"],
             "ttft_after_pause_p90_s": after_pause_ttft_p90(records[name]),
+            # What the TTFT swings around, steady from run to run: the work after pauses.
+            "computed_tokens_after_pause": sum(
+                row["computed_tokens"] for rows in records[name].values() for row in rows[1:]
+            ),
             "num_kv_evictions": engine["num_kv_evictions"],
             "num_kv_keeps_broken": engine.get("num_kv_keeps_broken", 0),
             **{key: value for key, value in engine.items() if key.startswith(ENGINE_FIGURES)},
@@ -129,12 +133,13 @@ def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict
     without, with_tiers = (section["variants"][name]["evicted_tokens"] for name in VARIANTS)
     section["evicted_ratio_tiers_vs_none"] = round(with_tiers / without, 4) if without else None
     if HINTS in section["variants"]:
-        hinted, unhinted = (
-            section["variants"][n]["ttft_after_pause_p90_s"] for n in (HINTS, TIERS)
-        )
-        section["after_pause_ttft_p90_ratio_hints_vs_none"] = (
-            round(hinted / unhinted, 4) if unhinted else None
-        )
+        variants = section["variants"]
+        for ratio, figure in (
+            ("after_pause_ttft_p90_ratio_hints_vs_none", "ttft_after_pause_p90_s"),
+            ("after_pause_computed_ratio_hints_vs_none", "computed_tokens_after_pause"),
+        ):
+            hinted, unhinted = variants[HINTS][figure], variants[TIERS][figure]
+            section[ratio] = round(hinted / unhinted, 4) if unhinted else None
     section["outputs_identical"] = all(
         v["outputs_not_as_recorded"] == 0 for v in section["variants"].values()
     )
