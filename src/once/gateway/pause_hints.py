@@ -19,10 +19,10 @@ takes no hints, nothing is sent; nor for a response without a tool call when the
 
 import json
 import logging
-import math
 from collections.abc import Coroutine
 from typing import Any
 
+from once.protocol.engine import is_seconds
 from once.protocol.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,7 @@ def pause_table(metadata: dict | None) -> dict[str, float] | None:
             f"{PARAM} must be a JSON object (as a string) of tool name -> seconds", param=PARAM
         )
     for name, seconds in table.items():
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, int | float)
-            or not math.isfinite(seconds)
-            or seconds < 0
-        ):
+        if not is_seconds(seconds):
             raise InvalidRequestError(
                 f"{PARAM}: the pause of {name!r} must be seconds >= 0, got {seconds!r}",
                 param=PARAM,

@@ -9,7 +9,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard, runtime_checkable
 
 from once.protocol.errors import InvalidRequestError
 
@@ -330,7 +330,7 @@ class EngineClient(Protocol):
     async def stats(self) -> dict: ...
 
 
-def is_seconds(value: object) -> bool:
+def is_seconds(value: object) -> TypeGuard[int | float]:
     """A finite number of seconds >= 0 (not a bool)."""
     return (
         isinstance(value, int | float)
