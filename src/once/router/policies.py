@@ -125,6 +125,19 @@ def pick_lowest(
     return tied[rng.randrange(len(tied))].index if len(tied) > 1 else tied[0].index
 
 
+def uncached_tokens(request: RequestView, replica: ReplicaView) -> int:
+    """Prompt tokens the replica would compute: past its match on the device and in tiers."""
+    matched = replica.matched_prefix_blocks * request.block_size
+    return max(1, request.num_prompt_tokens - matched)
+
+
+def predicted_prefill_s(request: RequestView, replica: ReplicaView) -> float:
+    """The replica's queued prefill plus this request's uncached part at its prefill speed,
+    plus the load of its prefix from lower KV tiers."""
+    queued = replica.num_queued_prefill_tokens + uncached_tokens(request, replica)
+    return queued / max(replica.prefill_tokens_per_s, 1e-9) + replica.tier_load_s
+
+
 def stable_hash(text: str) -> int:
     # Python's hash() is salted per process; the ring must agree across processes.
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
@@ -372,13 +385,7 @@ class PredictedTTFT:
         self._homes: OrderedDict[str, str] = OrderedDict()  # session key -> replica name, LRU
 
     def predicted_prefill_s(self, request: RequestView, replica: ReplicaView) -> float:
-        uncached = max(
-            1, request.num_prompt_tokens - replica.matched_prefix_blocks * request.block_size
-        )
-        compute_s = (replica.num_queued_prefill_tokens + uncached) / max(
-            replica.prefill_tokens_per_s, 1e-9
-        )
-        return compute_s + replica.tier_load_s
+        return predicted_prefill_s(request, replica)
 
     def predicted_ttft_s(self, request: RequestView, replica: ReplicaView) -> float:
         decode_s = replica.num_decode_tokens / max(replica.decode_tokens_per_s, 1e-9)

@@ -2,12 +2,14 @@
 
     once sim [--trace mooncake|agents] [--replicas 8] [--load 0.8] [--policies ...] [--json]
              [--host-tier-ratio R [--disk-tier-ratio R]]
+    once sim --pd [--pd-prefill P ...] [--pd-threshold N ...] [--pd-decode-budget N ...]
 
 The defaults measure the issue's first bar: the first 30 minutes of the Mooncake
 conversation trace, 8 replicas of the H200 profile, offered load 80% of capacity, every
 policy at its own published defaults. `--host-tier-ratio` adds a host-memory KV tier of R
 times the device pool below each replica (and `--disk-tier-ratio` a disk tier below it);
-once then also runs without tiers, and the report gives both p90 TTFTs.
+once then also runs without tiers, and the report gives both p90 TTFTs. `--pd` compares
+prefill/decode disaggregation with colocated serving instead (`once.sim.pd_compare`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ import sys
 
 from once.sim.compare import DEFAULT_POLICIES, Scenario, compare_policies
 from once.sim.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from once.sim.pd_compare import (
+    DEFAULT_DECODE_BUDGETS,
+    DEFAULT_THRESHOLDS,
+    TIGHT_TPOT_SLO_S,
+    PDGrid,
+    compare_pd,
+    format_pd_report,
+)
 from once.sim.profiles import DEFAULT_PROFILE, load_profiles
 from once.sim.tiers import TierConfig
 from once.sim.workload import load_agent_sessions, load_mooncake
@@ -67,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host-eviction", choices=EVICTION_POLICIES, default="lru")
     parser.add_argument("--disk-eviction", choices=EVICTION_POLICIES, default="lru")
+    parser.add_argument(
+        "--pd", action="store_true", help="disaggregated P:D pools against colocated (once policy)"
+    )
+    parser.add_argument(
+        "--pd-prefill", type=int, nargs="+", default=[], help="prefill replica counts to try"
+    )
+    parser.add_argument(
+        "--pd-threshold", type=int, nargs="+", default=list(DEFAULT_THRESHOLDS),
+        help="split only prompts with at least this many uncached tokens",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pd-decode-budget", type=int, nargs="+", default=list(DEFAULT_DECODE_BUDGETS),
+        help="decode replicas' tokens per step (0: the profile's)",
+    )  # fmt: skip
+    parser.add_argument("--pd-tight-tpot-ms", type=float, default=TIGHT_TPOT_SLO_S * 1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
@@ -82,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(_finite(report), indent=2, allow_nan=False))
+    elif args.pd:
+        print(format_pd_report(report))
     else:
         print(format_report(report))
     return 0
@@ -110,6 +137,20 @@ def run(args: argparse.Namespace) -> dict:
         args.host_tier_ratio, args.disk_tier_ratio, args.host_eviction, args.disk_eviction
     )
     scenario = Scenario(profile, args.replicas, args.load, args.seed, args.eviction, tiers)
+    if args.pd:
+        if any(n < 1 for n in args.pd_threshold) or any(n < 0 for n in args.pd_decode_budget):
+            raise ValueError("--pd-threshold must be >= 1 and --pd-decode-budget >= 0")
+        if not args.pd_tight_tpot_ms > 0:
+            raise ValueError("--pd-tight-tpot-ms must be > 0")
+        grid = PDGrid(
+            tuple(args.pd_prefill),
+            tuple(args.pd_threshold),
+            tuple(args.pd_decode_budget),
+            args.pd_tight_tpot_ms / 1000,
+        )
+        report = compare_pd(requests, scenario, grid)
+        report["trace"] = args.trace
+        return report
     report = compare_policies(requests, scenario, args.policies)
     report["trace"] = args.trace
     return report

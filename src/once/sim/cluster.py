@@ -5,7 +5,8 @@ picks a replica from `ReplicaView`s built like the live router's, with the repli
 prefix match, as an index fed by KV events would give), or a replica's step ends (its
 finished requests are recorded, a closed-loop session's next call is scheduled, the next
 step is planned), or a request's load from a lower KV tier is in (the replica is woken as by
-an arrival, so the request joins its next step). A step-end event carries the replica's
+an arrival, so the request joins its next step), or, disaggregated (`once.sim.pd`), a
+decode leg's KV has arrived from its prefill replica. A step-end event carries the replica's
 version; one that a later plan replaced is skipped. Nothing sleeps: a 30-minute trace runs
 in seconds.
 """
@@ -15,10 +16,12 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from once.router.pd_split import SPLIT
 from once.router.policies import Policy, ReplicaView, RequestView
 from once.sim.eviction import eviction_factory
+from once.sim.pd import KVLink, KVTransfer, PDConfig, PDStats, transfer_s_per_token
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica
 from once.sim.tiers import TierConfig, build_tiers
@@ -32,6 +35,7 @@ class Decision:
     request_id: str
     replica: int
     time_s: float
+    prefill_replica: int | None = None  # disaggregated: where its prefill leg ran
 
 
 @dataclass
@@ -40,6 +44,7 @@ class SimResult:
     replicas: list[SimReplica]
     decisions: list[Decision]
     end_s: float
+    pd: dict = field(default_factory=dict)  # disaggregated: PDStats.report(); else empty
 
 
 class Cluster:
@@ -53,9 +58,17 @@ class Cluster:
         span_decodes: bool = True,
         eviction: str = "lru",  # the engines' own LRU; `once sim` defaults to DEFAULT_EVICTION
         tiers: TierConfig | None = None,  # KV tiers below each device pool; None: none
+        pd: PDConfig | None = None,  # the first pd.num_prefill replicas serve prefill legs
     ):
         if not profiles:
             raise ValueError("a cluster needs at least one replica")
+        if pd is not None:
+            pd.check(len(profiles))
+            split = replace(pd.split, transfer_s_per_token=transfer_s_per_token(profiles[0]))
+            pd = replace(pd, split=split)
+            profiles = pd.profiles(profiles)
+        self.pd = pd
+        self.pd_stats = PDStats()
         make_eviction = eviction_factory(eviction, seed)
         tiers = tiers or TierConfig()
         # One factory per tier, so an oracle policy's future is shared within a tier only.
@@ -77,11 +90,15 @@ class Cluster:
                     tiers=lower,
                 )
             )
+        num_prefill = pd.num_prefill if pd is not None else 0
+        for replica in self.replicas[:num_prefill]:
+            replica.name = f"prefill-{replica.index}"
+        self.links = [KVLink(replica.profile) for replica in self.replicas[:num_prefill]]
         self.policy = policy
         self.rng = random.Random(seed)
-        # (time, sequence, payload): a request arriving, or (replica index, version) of a
-        # step ending.
-        self._events: list[tuple[float, int, SimRequest | tuple[int, int]]] = []
+        # (time, sequence, payload): a request arriving, (replica index, version) of a
+        # step ending, or a decode leg whose KV has arrived.
+        self._events: list[tuple[float, int, SimRequest | RequestState | tuple[int, int]]] = []
         self._sequence = 0
 
     def run(self, requests: Sequence[SimRequest]) -> SimResult:
@@ -103,11 +120,16 @@ class Cluster:
         while self._events:
             now, _, payload = heapq.heappop(self._events)
             if isinstance(payload, SimRequest):
-                state = self._route(payload, now)
+                state, prefill_index = self._route(payload, now)
                 states.append(state)
-                decisions.append(Decision(state.request.request_id, state.replica, now))
+                decisions.append(
+                    Decision(state.request.request_id, state.replica, now, prefill_index)
+                )
                 if state.rejected:
                     self._follow(state, followers, now)
+            elif isinstance(payload, RequestState):  # a decode leg, its KV transferred
+                self.replicas[payload.replica].enqueue(payload)
+                self._wake(self.replicas[payload.replica], now)
             else:
                 replica_index, version = payload
                 replica = self.replicas[replica_index]
@@ -117,9 +139,13 @@ class Cluster:
                 if version != replica.version:
                     continue  # superseded by a later plan
                 for state in replica.finish_step(now):
-                    self._follow(state, followers, now)
+                    if state.transfer is not None:
+                        self._hand_off(state.transfer, now)
+                    else:
+                        self._follow(state, followers, now)
                 self._start(replica, now)
-        return SimResult(states, self.replicas, decisions, now)
+        report = self.pd_stats.report(self.links) if self.pd is not None else {}
+        return SimResult(states, self.replicas, decisions, now, report)
 
     def views(self, request: SimRequest, now: float) -> list[ReplicaView]:
         return [self._view(replica, request, now) for replica in self.replicas]
@@ -147,7 +173,7 @@ class Cluster:
             tier_load_s=tier_load_s,
         )
 
-    def _route(self, request: SimRequest, now: float) -> RequestState:
+    def _route(self, request: SimRequest, now: float) -> tuple[RequestState, int | None]:
         view = RequestView(
             request_id=request.request_id,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -156,16 +182,43 @@ class Cluster:
             session_key=request.session_key,
             max_output_tokens=request.num_output_tokens,
         )
-        chosen = self.policy.choose(view, self.views(request, now), self.rng)
+        views = self.views(request, now)
+        num_prefill = self.pd.num_prefill if self.pd is not None else 0
+        chosen = self.policy.choose(view, views[num_prefill:], self.rng)
         replica = self.replicas[chosen]
         state = RequestState(request=request, arrival_s=now, replica=chosen)
         if not replica.fits(request):
             state.rejected = True  # longer than the replica's whole KV capacity
             state.finish_s = now
-            return state
+            return state, None
+        if self.pd is not None:
+            decision = self.pd.split.decide(view, views[chosen], views[:num_prefill], self.rng)
+            self.pd_stats.decisions[decision.reason] += 1
+            prefill_index = decision.prefill_index
+            if decision.reason == SPLIT and prefill_index is not None:
+                from_tokens = request.num_prompt_tokens - decision.num_uncached_tokens
+                self._split(state, prefill_index, from_tokens, now)
+                return state, prefill_index
         replica.enqueue(state)
         self._wake(replica, now)
-        return state
+        return state, None
+
+    def _split(self, state: RequestState, prefill_index: int, from_tokens: int, now: float):
+        # The decode leg waits off every queue until its KV is in (`_hand_off`).
+        state.transferred = True
+        request = replace(state.request, num_output_tokens=1)
+        pull = self.pd is not None and self.pd.split.prefix_from_decode
+        transfer = KVTransfer(state, self.links[prefill_index], from_tokens, pull)
+        leg = RequestState(request, now, prefill_index, transfer=transfer)
+        self.replicas[prefill_index].enqueue(leg)
+        self._wake(self.replicas[prefill_index], now)
+
+    def _hand_off(self, transfer: KVTransfer, now: float) -> None:
+        ready_s = transfer.ready_s(now)
+        self.pd_stats.transfer_wait_s.append(ready_s - now)
+        self.pd_stats.num_transferred_tokens += max(0, transfer.sent_tokens - transfer.from_tokens)
+        self.pd_stats.num_pulled_tokens += transfer.num_pulled_tokens
+        self._push(ready_s, transfer.decode_state)
 
     def _wake(self, replica: SimReplica, now: float) -> None:
         # Something can join the replica's next step: start one if idle, else end a decode
@@ -181,9 +234,11 @@ class Cluster:
         end_s = replica.start_step(now)
         if end_s is not None:
             self._push(end_s, (replica.index, replica.version))
-        if replica.tiers is not None and replica.tiers.pending:
-            for ready_s in replica.tiers.pending:
-                self._push(ready_s, (replica.index, LOAD_DONE))
+        pending = replica.wakeups + (replica.tiers.pending if replica.tiers is not None else [])
+        for ready_s in pending:
+            self._push(ready_s, (replica.index, LOAD_DONE))
+        replica.wakeups.clear()
+        if replica.tiers is not None:
             replica.tiers.pending.clear()
 
     def _follow(self, state: RequestState, followers: dict, now: float) -> None:
@@ -191,6 +246,6 @@ class Cluster:
         if follower is not None:
             self._push(now + follower.think_s, follower)
 
-    def _push(self, time_s: float, payload: SimRequest | tuple[int, int]) -> None:
+    def _push(self, time_s: float, payload: SimRequest | RequestState | tuple[int, int]) -> None:
         self._sequence += 1
         heapq.heappush(self._events, (time_s, self._sequence, payload))

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from once.sim.capacity import bound_cached_tokens
 from once.sim.cluster import SimResult
+from once.sim.latency import LatencyHistogram
+from once.sim.replica import RequestState
 from once.sim.workload import SimRequest
 
 
@@ -32,24 +34,19 @@ def summarize(
     num_prompt = sum(s.request.num_prompt_tokens for s in served)
     num_cached = sum(s.num_cached_tokens for s in served)
     num_device_cached = sum(s.num_device_cached_tokens for s in served)
-    ttfts: list[float] = []
-    tpots: list[float] = []  # of the requests with more than one output token
-    good = 0
-    for state in served:
-        first_token_s, finish_s = state.first_token_s, state.finish_s
-        assert first_token_s is not None and finish_s is not None  # admitted and finished
-        ttft = first_token_s - state.arrival_s
-        tokens = state.request.num_output_tokens
-        tpot = (finish_s - first_token_s) / (tokens - 1) if tokens > 1 else 0.0
-        ttfts.append(ttft)
-        if tokens > 1:
-            tpots.append(tpot)
-        good += ttft <= ttft_slo_s and tpot <= tpot_slo_s
+    pairs = latencies(served)
+    ttfts = [ttft for ttft, _ in pairs]
+    # of the requests with more than one output token
+    tpots = [
+        tpot for s, (_, tpot) in zip(served, pairs, strict=True) if s.request.num_output_tokens > 1
+    ]
+    good = sum(ttft <= ttft_slo_s and tpot <= tpot_slo_s for ttft, tpot in pairs)
     first_arrival = min((s.arrival_s for s in states), default=0.0)
     duration_s = max(result.end_s - first_arrival, 1e-9)
     busy = [replica.busy_s for replica in result.replicas]
     mean_busy = sum(busy) / len(busy)
     block_size = result.replicas[0].profile.block_size
+    itl = LatencyHistogram().merge(replica.itl for replica in result.replicas)
     bound = bound_cached_tokens(requests, block_size)
     num_bound_prompt = sum(r.num_prompt_tokens for r in requests)
     return {
@@ -64,6 +61,10 @@ def summarize(
         "ttft_p99_s": percentile(ttfts, 99),
         "tpot_mean_s": sum(tpots) / len(tpots) if tpots else float("nan"),
         "tpot_p90_s": percentile(tpots, 90),
+        # Over every output token after the first (`once.sim.latency`).
+        "itl_p50_s": itl.percentile(50),
+        "itl_p90_s": itl.percentile(90),
+        "itl_p99_s": itl.percentile(99),
         "slo_attainment": good / len(states) if states else 0.0,
         "goodput_rps": good / duration_s,
         # max / mean busy time of the replicas: 1.0 is perfect balance
@@ -72,7 +73,20 @@ def summarize(
         "kv_evictions": sum(replica.cache.num_evictions for replica in result.replicas),
         "duration_s": duration_s,
         **tier_report(result),
+        **({"pd": result.pd} if result.pd else {}),
     }
+
+
+def latencies(served: Sequence[RequestState]) -> list[tuple[float, float]]:
+    """(TTFT, TPOT) of each finished request; TPOT 0 for a single output token."""
+    pairs = []
+    for state in served:
+        first_token_s, finish_s = state.first_token_s, state.finish_s
+        assert first_token_s is not None and finish_s is not None  # admitted and finished
+        tokens = state.request.num_output_tokens
+        tpot = (finish_s - first_token_s) / (tokens - 1) if tokens > 1 else 0.0
+        pairs.append((first_token_s - state.arrival_s, tpot))
+    return pairs
 
 
 def tier_report(result: SimResult) -> dict:

@@ -15,7 +15,8 @@ keys (causal attention: token i of the chunk sees c + i + 1 keys).
 The fields after `tpot_slo_s` are optional (0: not given) and only the KV tiers below the
 device pool (`once.sim.tiers`) read them: the model's KV shape, from which a block's bytes
 follow (or `kv_bytes_per_block` where the shape is not known), and each tier's bandwidth
-and per-load latency.
+and per-load latency; and for prefill/decode disaggregation (`once.sim.pd`), the bandwidth
+and latency of a KV transfer from a prefill replica to a decode replica.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ _OPTIONAL_FIELDS = frozenset(
         "host_load_latency_s",
         "disk_bandwidth_bytes_per_s",
         "disk_load_latency_s",
+        "transfer_bandwidth_bytes_per_s",
+        "transfer_latency_s",
     }
 )
 
@@ -68,6 +71,8 @@ class ReplicaProfile:
     host_load_latency_s: float = 0.0
     disk_bandwidth_bytes_per_s: float = 0.0
     disk_load_latency_s: float = 0.0
+    transfer_bandwidth_bytes_per_s: float = 0.0  # prefill -> decode replica (`--pd`)
+    transfer_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for field in fields(self):

@@ -7,6 +7,10 @@ can hold them (prompt plus output blocks are reserved at admission, so nothing i
 The step lasts what the profile's cost model says; a request's first token comes out of the
 step that finishes its prefill, the others one per decode step.
 
+Disaggregated (`once.sim.pd`), a prefill replica serves prefill legs: requests of one output
+token whose computed KV streams to a decode replica chunk by chunk. The decode leg is
+admitted there with its whole prompt but the last token in KV.
+
 A request whose prefix continues in a tier below the device pool (`once.sim.tiers`) is
 admitted, then waits off the step loop for its load: it joins prefill in the first step
 that starts once its blocks are in (`ready_s`).
@@ -21,11 +25,16 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from once.sim.kvcache import BlockCache, EvictionPolicy
+from once.sim.latency import LatencyHistogram
 from once.sim.profiles import ReplicaProfile
 from once.sim.tiers import LowerTiers
 from once.sim.workload import SimRequest
+
+if TYPE_CHECKING:
+    from once.sim.pd import KVTransfer
 
 
 @dataclass(slots=True)
@@ -43,6 +52,11 @@ class RequestState:
     first_token_s: float | None = None
     finish_s: float | None = None
     rejected: bool = False
+    # Prefill/decode disaggregation (`once.sim.pd`): a prefill leg streams its KV through
+    # `transfer`; the decode leg it hands off to arrives `transferred`, its prompt in KV.
+    transfer: KVTransfer | None = None
+    transferred: bool = False
+    num_transferred_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -97,6 +111,8 @@ class SimReplica:
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
         self.num_device_cached_tokens = 0
+        self.itl = LatencyHistogram()  # each decode step, once per sequence in it
+        self.wakeups: list[float] = []  # when admitted requests' prefix fetches are in
 
     # -- what the router sees ---------------------------------------------------------------
 
@@ -188,6 +204,10 @@ class SimReplica:
             raise RuntimeError("finish_step() without a planned step")
         self.plan = None
         self.busy_s += now - plan.start_s
+        if plan.decodes:
+            self.itl.add_linear_span(
+                plan.first_step_s, plan.growth_s, plan.num_steps, len(plan.decodes)
+            )
         finished = []
         for state in plan.decodes:
             state.num_generated += plan.num_steps
@@ -196,6 +216,8 @@ class SimReplica:
         for state, chunk in plan.prefills:
             state.num_computed += chunk
             self.num_prefilled_tokens += chunk
+            if state.transfer is not None:
+                state.transfer.send(state.num_computed, now)
             if state.num_computed == state.request.num_prompt_tokens:
                 self.cache.publish(state.request.block_hashes, state.held, now)
                 state.num_generated = 1
@@ -220,10 +242,22 @@ class SimReplica:
         max_cached = request.num_prompt_tokens - 1  # one is always computed: the first token
         state.num_device_cached_tokens = min(num_matched * block_size, max_cached)
         state.num_cached_tokens = state.num_device_cached_tokens
-        if self.tiers is not None:
+        if state.transferred:
+            # Its prefill leg sent what this replica lacked; the last prompt token is
+            # computed here, in the step that makes the first output token.
+            state.num_transferred_tokens = max(0, max_cached - state.num_cached_tokens)
+        elif self.tiers is not None:
             self._load_from_tiers(self.tiers, state, num_matched, now)
+        elif state.transfer is not None and state.transfer.pull_prefix:
+            pulled = max(0, min(state.transfer.from_tokens, max_cached) - state.num_cached_tokens)
+            if pulled:
+                state.num_cached_tokens += pulled
+                state.ready_s = now + state.transfer.pull_s(pulled)
+                self.wakeups.append(state.ready_s)
         state.held = self.cache.admit(hashes, num_matched, state.num_blocks, now)
-        state.num_computed = state.num_cached_tokens
+        state.num_computed = state.num_cached_tokens + state.num_transferred_tokens
+        if state.transfer is not None:
+            state.transfer.send(state.num_computed, now)  # its cached prefix goes at once
         self.num_prompt_tokens += request.num_prompt_tokens
         self.num_cached_tokens += state.num_cached_tokens
         self.num_device_cached_tokens += state.num_device_cached_tokens
