@@ -36,6 +36,11 @@ def _engine_config(args):
             kv_host_eviction=args.kv_host_eviction,
             kv_pause_keep_s=args.kv_pause_keep_s,
             kv_pause_hints=True if args.kv_pause_hints else None,
+            role=args.role,
+            kv_transfer=args.kv_transfer,
+            kv_transfer_host=args.kv_transfer_host,
+            kv_transfer_port=args.kv_transfer_port,
+            kv_transfer_blocks=args.kv_transfer_blocks,
         )
     except ValueError as exc:
         raise SystemExit(f"once: error: bad engine setting: {exc}") from None
@@ -102,6 +107,22 @@ def _add_engine_flags(parser):
         choices=["write_through", "write_back"],
         default=None,
         help="blocks go down as they fill (default) or as they are evicted",
+    )
+    pd = parser.add_argument_group("prefill/decode disaggregation (off by default)")
+    pd.add_argument(
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default=None,
+        help="prefill: prompts only, KV kept for a decode engine; decode: loads it (both)",
+    )
+    pd.add_argument(
+        "--kv-transfer", choices=["shm", "tcp"], default=None,
+        help="a prefill engine's KV store: shared memory on this host (default) or TCP",
+    )  # fmt: skip
+    pd.add_argument("--kv-transfer-host", default=None, help="tcp: the store's address")
+    pd.add_argument("--kv-transfer-port", type=int, default=None, help="tcp: 0 picks one")
+    pd.add_argument(
+        "--kv-transfer-blocks", type=int, default=None, help="the store's bound (2x the pool)"
     )
     cache = parser.add_argument_group("KV eviction and session pause hints")
     for flag, where in (("--kv-eviction", "the device pool"), ("--kv-host-eviction", "L2")):

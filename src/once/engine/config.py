@@ -9,6 +9,8 @@ from once.model_files import DEFAULT_MODEL
 
 CPU_GEMMS = ("onednn", "torch")
 KV_OFFLOAD_MODES = ("write_through", "write_back")
+ROLES = ("both", "prefill", "decode")
+KV_TRANSPORTS = ("shm", "tcp")
 # once.sim.eviction's policies that need no view of the future.
 ONLINE_EVICTION_POLICIES = ("lru", "leaf-lru", "lfu-da", "reuse")
 
@@ -63,6 +65,15 @@ class EngineConfig:
     # keeps the session's blocks in the device pool; a longer one offloads them.
     kv_pause_hints: bool = False
     kv_pause_keep_s: float = 10.0
+    # Prefill/decode disaggregation (kv/transfer.py). "prefill": compute prompts (one output
+    # token at most) and keep their blocks in a transfer store the decode side reads;
+    # "decode": load a prompt's blocks from the prefill engine its request names; "both":
+    # colocated, as without disaggregation.
+    role: str = "both"
+    kv_transfer: str = "shm"  # a prefill engine's store: "shm" (one host) or "tcp"
+    kv_transfer_host: str = "127.0.0.1"  # tcp: where the store listens
+    kv_transfer_port: int = 0  # tcp: 0 picks a free port (stats() reports the address)
+    kv_transfer_blocks: int = 0  # the store's bound in blocks; 0: twice the device pool
 
     def __post_init__(self):
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
@@ -78,6 +89,14 @@ class EngineConfig:
                 raise ValueError(
                     f"{name} must be one of {ONLINE_EVICTION_POLICIES}, got {getattr(self, name)!r}"
                 )
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.kv_transfer not in KV_TRANSPORTS:
+            raise ValueError(
+                f"kv_transfer must be one of {KV_TRANSPORTS}, got {self.kv_transfer!r}"
+            )
+        if not 0 <= self.kv_transfer_port < 65536 or self.kv_transfer_blocks < 0:
+            raise ValueError("kv_transfer_port must be in [0, 65535] and kv_transfer_blocks >= 0")
         if not (math.isfinite(self.kv_pause_keep_s) and self.kv_pause_keep_s >= 0):
             raise ValueError(f"kv_pause_keep_s must be >= 0, got {self.kv_pause_keep_s}")
         if self.kv_host_blocks < 0 or self.kv_disk_gib <= 0 or self.kv_load_timeout_s < 0:
@@ -85,7 +104,9 @@ class EngineConfig:
 
     @property
     def has_kv_tiers(self) -> bool:
-        return bool(self.kv_host_blocks or self.kv_disk_path or self.kv_shared_url)
+        return bool(
+            self.kv_host_blocks or self.kv_disk_path or self.kv_shared_url or self.role != "both"
+        )
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineConfig":

@@ -18,7 +18,10 @@ from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_fro
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
+from once.engine.kv.pd_role import admit_for_role, finish_prefill
 from once.engine.kv.session_pauses import SessionPauses
+from once.engine.kv.tiered_connector import TieredConnector
+from once.engine.kv.transfer import TransferStore
 from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory
@@ -33,6 +36,8 @@ from once.engine.speculative.verify import accept_matching, rejection_sample, sa
 from once.protocol.engine import (
     FINISH_ABORT,
     FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
     GenerateRequest,
     TokenDelta,
     TokenLogprob,
@@ -203,6 +208,8 @@ class LLMEngine:
 
     def add_request(self, request: GenerateRequest) -> None:
         self.validate(request)
+        if self.config.role != "both":
+            request = admit_for_role(request, self.config.role, self._tiers())
         if request.request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
@@ -414,11 +421,28 @@ class LLMEngine:
         delta.finish_reason = request.finish_reason
         delta.error = error
         delta.metrics = request.finalize_metrics()
+        if self.config.role == "prefill" and request.finish_reason in (FINISH_STOP, FINISH_LENGTH):
+            num_blocks = request.num_prompt_tokens // self.pool.block_size
+            delta.kv_transfer_params = finish_prefill(
+                request.block_hashes[:num_blocks], self._tiers(), self._read_block,
+                self.pool.block_size,
+            )  # fmt: skip
         if request.finish_reason != FINISH_ABORT:
             self.counters["num_requests_finished"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens
         self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
         return delta
+
+    def _transfer_stats(self) -> dict:
+        transfer = getattr(self.connector, "transfer", None)
+        if isinstance(transfer, TransferStore):
+            return {"kv_transfer_address": transfer.address, "kv_transfer_blocks": len(transfer)}
+        return {}
+
+    def _tiers(self) -> TieredConnector:
+        # A prefill or decode role always builds tiers (EngineConfig.has_kv_tiers).
+        assert isinstance(self.connector, TieredConnector)
+        return self.connector
 
     def _save_new_blocks(self) -> None:
         # Blocks registered while scheduling this step now hold their computed K/V.
@@ -458,6 +482,8 @@ class LLMEngine:
         queried = self.kv.num_query_tokens
         return {
             "model": str(self.model_path),
+            "role": self.config.role,
+            **self._transfer_stats(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks_total": pool.num_blocks,

@@ -176,6 +176,10 @@ class GenerateRequest:
     cache_salt: str | None = None
     # Replay: decode exactly these ids (one target forward each) instead of sampling.
     forced_output_ids: tuple[int, ...] | None = None
+    # Prefill/decode disaggregation, vLLM's field and keys: {"do_remote_decode": true} to a
+    # prefill engine; to a decode engine, what the prefill engine's last delta returned
+    # ({"do_remote_prefill": true, "remote_address": ...}; kv/transfer.py).
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         if not self.request_id:
@@ -197,6 +201,7 @@ class GenerateRequest:
             "forced_output_ids": (
                 None if self.forced_output_ids is None else list(self.forced_output_ids)
             ),
+            "kv_transfer_params": self.kv_transfer_params,
         }
 
     @classmethod
@@ -209,7 +214,14 @@ class GenerateRequest:
             session_key=data.get("session_key"),
             cache_salt=data.get("cache_salt"),
             forced_output_ids=None if forced is None else tuple(forced),
+            kv_transfer_params=_object_or_none(data.get("kv_transfer_params")),
         )
+
+
+def _object_or_none(value: object) -> dict | None:
+    if value is None or isinstance(value, dict):
+        return value
+    raise InvalidRequestError("kv_transfer_params must be an object", param="kv_transfer_params")
 
 
 @dataclass
@@ -282,6 +294,8 @@ class TokenDelta:
     # When the request asked (SamplingParams.logprobs) and the delta carries ids: one
     # entry per id in token_ids, in the same order.
     logprobs: list[TokenLogprob] | None = None
+    # A prefill engine's last delta: where the decode engine finds the KV (vLLM's field).
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -298,6 +312,8 @@ class TokenDelta:
         }
         if self.logprobs is not None:  # only when set: other deltas keep their old form
             data["logprobs"] = [entry.to_dict() for entry in self.logprobs]
+        if self.kv_transfer_params is not None:
+            data["kv_transfer_params"] = self.kv_transfer_params
         return data
 
     @classmethod
@@ -312,6 +328,7 @@ class TokenDelta:
             metrics=None if metrics is None else RequestMetrics.from_dict(metrics),
             error=data.get("error"),
             logprobs=None if logprobs is None else [TokenLogprob.from_dict(e) for e in logprobs],
+            kv_transfer_params=data.get("kv_transfer_params"),
         )
 
 

@@ -13,6 +13,7 @@ Anything that fails a check is a miss: the caller recomputes, never reads wrong 
 """
 
 import hashlib
+import mmap
 import struct
 import zlib
 
@@ -41,7 +42,7 @@ def encode_block(fingerprint: bytes, block_hash: int, k: torch.Tensor, v: torch.
 
 
 def decode_block(
-    data: bytes | None,
+    data: bytes | bytearray | memoryview | mmap.mmap | None,
     fingerprint: bytes,
     block_hash: int,
     k_out: torch.Tensor,
@@ -64,7 +65,9 @@ def decode_block(
     payload = memoryview(data)[HEADER_BYTES:]
     if zlib.crc32(payload) != crc:
         return False
-    as_bytes = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    # A writable buffer (a copy-on-write mapping, a bytearray) is read in place.
+    buffer = bytearray(payload) if payload.readonly else payload
+    as_bytes = torch.frombuffer(buffer, dtype=torch.uint8)
     k_out.copy_(as_bytes[:half].view(k_out.dtype).view(k_out.shape))
     v_out.copy_(as_bytes[half:].view(v_out.dtype).view(v_out.shape))
     return True

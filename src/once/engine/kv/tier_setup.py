@@ -9,6 +9,7 @@ from once.engine.kv.block_codec import layout_fingerprint
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.tiered_connector import TieredConnector
+from once.engine.kv.transfer import PeerSet, TransferStore
 from once.sim.eviction import eviction_factory
 
 
@@ -41,7 +42,7 @@ def build_kv_tiers(
     # with a lower tier the host tier holds at least a device pool's worth, so one
     # request's prefetched run is not evicted by its own tail before it is used.
     num_slots = config.kv_host_blocks
-    if config.kv_disk_path or config.kv_shared_url:
+    if config.kv_disk_path or config.kv_shared_url or config.role != "both":
         num_slots = max(num_slots, num_device_blocks)
     host = HostTier(
         num_slots,
@@ -58,11 +59,19 @@ def build_kv_tiers(
         from once.engine.kv.shared_tier import SharedTier
 
         shared = SharedTier(config.kv_shared_url, fingerprint, ttl_s=config.kv_shared_ttl_s)
+    transfer: TransferStore | PeerSet | None = None
+    if config.role == "prefill":
+        transfer = TransferStore(config.kv_transfer_blocks or 2 * num_device_blocks)
+        if config.kv_transfer == "tcp":
+            transfer.serve_tcp(config.kv_transfer_host, config.kv_transfer_port)
+    elif config.role == "decode":
+        transfer = PeerSet()  # filled from the requests' kv_transfer_params
     return TieredConnector(
         host,
         fingerprint,
         disk=disk,
         shared=shared,
+        transfer=transfer,
         write_mode=config.kv_offload,
         block_size=config.block_size,
     )

@@ -5,7 +5,8 @@
     every filled block --(always written through)--> shared store (L4)
 
 The shared store is written as blocks fill whatever the mode, since its purpose is a
-replica that dies: blocks written only on eviction would die with it.
+replica that dies: blocks written only on eviction would die with it. So is a prefill
+engine's transfer store (kv/transfer.py), read by decode engines through their peers.
 
 Reading back goes through the host tier. A prefix hit in host memory is copied into the
 device during scheduling (a memcpy, or an H2D copy from pinned memory). A prefix that
@@ -34,13 +35,14 @@ from once.engine.kv.connector import KVConnector
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.shared_tier import SharedTier
+from once.engine.kv.transfer import PeerSet, TransferStore
 from once.protocol.kv_blocks import BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
 
 WRITE_MODES = ("write_through", "write_back")
 # The medium each tier's KV events carry (the device pool's own events say CPU or GPU).
-MEDIUM = {"host": "HOST", "disk": "DISK", "shared": "SHARED"}
+MEDIUM = {"host": "HOST", "disk": "DISK", "shared": "SHARED", "transfer": "TRANSFER"}
 _FIGURES = ("hit_blocks", "loaded_bytes", "load_time_s", "saved_blocks", "corrupt_blocks")
 
 
@@ -51,6 +53,7 @@ class TieredConnector(KVConnector):
         fingerprint: bytes,
         disk: DiskTier | None = None,
         shared: SharedTier | None = None,
+        transfer: TransferStore | PeerSet | None = None,
         write_mode: str = "write_through",
         max_pending_writes: int = 4096,
         block_size: int = 16,
@@ -60,12 +63,17 @@ class TieredConnector(KVConnector):
         self.host = host
         self.disk = disk
         self.shared = shared
+        self.transfer = transfer
+        # Below the host, beside disk: stores read on a miss, and those of them written as
+        # blocks fill (a decode engine's peers are the prefill engines' stores: read only).
+        self.remotes = [t for t in (shared, transfer) if t is not None]
+        self.written_remotes = [t for t in self.remotes if not isinstance(t, PeerSet)]
         self.fingerprint = fingerprint
         self.write_mode = write_mode
         self.block_size = block_size
         self.max_pending_writes = max_pending_writes
-        self.tiers = [t for t in (host, disk, shared) if t is not None]
-        self.wants_new_blocks = write_mode == "write_through" or shared is not None
+        self.tiers = [t for t in (host, disk, shared, transfer) if t is not None]
+        self.wants_new_blocks = write_mode == "write_through" or bool(self.written_remotes)
         self.wants_evicted = write_mode == "write_back"
         self.figures: dict[str, dict[str, float]] = {
             t.name: dict.fromkeys(_FIGURES, 0.0) for t in self.tiers
@@ -91,7 +99,8 @@ class TieredConnector(KVConnector):
         through = self.write_mode == "write_through"
         if through:
             self._put_host(block_hash, layers_k, layers_v)
-        below = [t for t in (self.disk if through else None, self.shared) if t is not None]
+        below = [t for t in (self.disk if through else None, *self.written_remotes)
+                 if t is not None]  # fmt: skip
         if below:
             # One copy for the writer: the device block may be reused before it runs.
             k, v = layers_k.clone(), layers_v.clone()
@@ -113,9 +122,9 @@ class TieredConnector(KVConnector):
     def prefetch(self, block_hashes: Sequence[int]) -> Future | None:
         """Start bringing `block_hashes` (a run the host tier lacks) up from disk or the
         shared store; None when neither could have the first of them."""
-        if not block_hashes or (self.disk is None and self.shared is None):
+        if not block_hashes or (self.disk is None and not self.remotes):
             return None
-        if self.shared is None and block_hashes[0] not in self.disk:  # type: ignore[operator]
+        if not self.remotes and block_hashes[0] not in self.disk:  # type: ignore[operator]
             return None
         return self._loader.submit(self._promote, list(block_hashes))
 
@@ -131,7 +140,7 @@ class TieredConnector(KVConnector):
             if block_hash in self.host:
                 self.host.pin(block_hash)
                 continue
-            for tier in (self.disk, self.shared):
+            for tier in (self.disk, *self.remotes):
                 if tier is None or (tier is self.disk and block_hash not in tier):
                     continue
                 started = time.perf_counter()
@@ -220,8 +229,8 @@ class TieredConnector(KVConnector):
             stats["kv_tier_disk_blocks"] = len(self.disk)
             stats["kv_tier_disk_bytes"] = self.disk.num_bytes
             stats["kv_tier_disk_evictions"] = self.disk.num_evictions
-        if self.shared is not None:
-            stats["kv_tier_shared_errors"] = self.shared.num_errors
+        for remote in self.remotes:
+            stats[f"kv_tier_{remote.name}_errors"] = remote.num_errors
         return stats
 
     def flush(self) -> None:
@@ -231,5 +240,5 @@ class TieredConnector(KVConnector):
     def close(self) -> None:
         self._loader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
-        if self.shared is not None:
-            self.shared.close()
+        for remote in self.remotes:
+            remote.close()

@@ -1,0 +1,73 @@
+"""What an engine's disaggregation role changes about a request, on its way in and out.
+
+- prefill: a request decodes one token at most (the decode engine makes the rest). When it
+  finishes, every full block of its prompt is in the transfer store: those it computed went
+  there as they filled; those its own prefix cache supplied are written now. Its last delta
+  then says where they are (`kv_transfer_params`, vLLM's field), and is sent only once
+  the writes are done, so the decode engine never asks for a block still in flight.
+- decode: a request whose `kv_transfer_params` say `do_remote_prefill` names its prefill
+  engine's store; the engine adds it to its peers, and admission finds the prompt's blocks
+  there like any lower tier (one token is left to compute: the first output token's).
+- both: the params are ignored, as a colocated vLLM ignores them.
+"""
+
+from dataclasses import replace
+
+from once.engine.kv.tiered_connector import TieredConnector
+from once.engine.kv.transfer import PeerSet, TransferStore
+from once.protocol.engine import GenerateRequest
+from once.protocol.errors import InvalidRequestError
+
+ADDRESS_PARAM = "kv_transfer_params.remote_address"
+
+
+def admit_for_role(
+    request: GenerateRequest, role: str, connector: TieredConnector | None
+) -> GenerateRequest:
+    if role == "prefill":
+        sampling, forced = request.sampling, request.forced_output_ids
+        if sampling.max_tokens > 1 or (forced is not None and len(forced) > 1):
+            request = replace(
+                request,
+                sampling=replace(sampling, max_tokens=1),
+                forced_output_ids=None if forced is None else forced[:1],
+            )
+        return request
+    params = request.kv_transfer_params
+    if role != "decode" or not params or not params.get("do_remote_prefill"):
+        return request
+    address = params.get("remote_address")
+    if not isinstance(address, str) or not address:
+        raise InvalidRequestError(
+            "kv_transfer_params.do_remote_prefill needs remote_address, the prefill "
+            "engine's store (its last delta's kv_transfer_params)",
+            param=ADDRESS_PARAM,
+        )
+    assert connector is not None and isinstance(connector.transfer, PeerSet)  # role decode
+    try:
+        connector.transfer.add(address)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param=ADDRESS_PARAM) from exc
+    return request
+
+
+def finish_prefill(
+    prompt_hashes: list[int], connector: TieredConnector, read_block, block_size: int
+) -> dict:
+    """Make sure the store has every full prompt block; the params for the decode side."""
+    store = connector.transfer
+    assert isinstance(store, TransferStore)  # role prefill
+    connector.flush()  # the blocks saved as they filled are written
+    missing = [h for h in prompt_hashes if h not in store]
+    for block_hash in missing:
+        blocks = read_block(block_hash)  # a prefix-cache hit: K/V from the device pool
+        if blocks is not None:
+            connector.save(block_hash, *blocks)
+    if missing:
+        connector.flush()
+    return {
+        "do_remote_prefill": True,
+        "remote_address": store.address,
+        "remote_num_blocks": len(prompt_hashes),
+        "remote_block_size": block_size,
+    }
