@@ -13,7 +13,7 @@ from once.protocol.errors import InvalidRequestError
 from tests.engine.test_engine_parity import assert_logits_match, capture_logits, prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-PROMPT = prompts(7, [37])[0]  # 9 full blocks of 4 and one token over
+PROMPT = prompts(7, [39])[0]  # 9 full blocks of 4, a tail of 2 and the last token
 
 
 def engine(model_dir, **settings) -> LLMEngine:
@@ -40,6 +40,10 @@ def test_a_decode_engine_continues_from_the_prefill_engines_kv(
     assert output_ids(deltas) == colocated[:1]  # one token at most
     params = deltas[-1].kv_transfer_params
     assert params["do_remote_prefill"] and params["remote_num_blocks"] == 9
+    aligned = PROMPT[:36]  # 9 full blocks: the ninth is the tail (its last token computed)
+    out = run(engine(tiny_model_dir, role="decode"), "a", aligned, kv_transfer_params=run(
+        prefill, "pa", aligned)[-1].kv_transfer_params)  # fmt: skip
+    assert out[-1].metrics.num_computed_tokens == 1
     assert params["remote_address"].startswith("tcp://" if transport == "tcp" else "shm:")
 
     decode = engine(tiny_model_dir, role="decode")
@@ -47,8 +51,8 @@ def test_a_decode_engine_continues_from_the_prefill_engines_kv(
     out = run(decode, "d", PROMPT, kv_transfer_params=params)
     assert output_ids(out) == colocated
     metrics = out[-1].metrics
-    assert metrics.num_cached_tokens == 36  # its nine full blocks came over
-    assert metrics.num_computed_tokens == 1  # the token past them
+    assert metrics.num_cached_tokens == 38  # nine full blocks and the tail came over
+    assert metrics.num_computed_tokens == 1  # the last prompt token
     stats = decode.stats()
     assert stats["kv_tier_transfer_hit_blocks"] == 9
     assert stats["kv_tier_transfer_loaded_bytes"] > 0
@@ -63,20 +67,20 @@ def test_blocks_the_decode_engine_holds_are_not_fetched(tiny_model_dir):
     run(decode, "earlier", PROMPT[:20])  # five of the prompt's blocks are cached here
     params = run(prefill, "p", PROMPT)[-1].kv_transfer_params
     out = run(decode, "d", PROMPT, kv_transfer_params=params)
-    assert out[-1].metrics.num_cached_tokens == 36
+    assert out[-1].metrics.num_cached_tokens == 38
     assert decode.stats()["kv_tier_transfer_hit_blocks"] == 4
     for each in (prefill, decode):
         each.close()
 
 
 def test_a_prefill_cache_hit_still_reaches_the_store(tiny_model_dir):
-    prefill = engine(tiny_model_dir, role="prefill", kv_transfer_blocks=9)
+    prefill = engine(tiny_model_dir, role="prefill", kv_transfer_blocks=10)
     run(prefill, "first", PROMPT)
-    run(prefill, "other", prompts(8, [37])[0])  # its blocks push PROMPT's out of the store
+    run(prefill, "other", prompts(8, [39])[0])  # its blocks push PROMPT's out of the store
     params = run(prefill, "again", PROMPT)[-1].kv_transfer_params  # all from the prefix cache
     assert prefill.stats()["num_cached_prompt_tokens"] == 36
     decode = engine(tiny_model_dir, role="decode")
-    assert run(decode, "d", PROMPT, kv_transfer_params=params)[-1].metrics.num_cached_tokens == 36
+    assert run(decode, "d", PROMPT, kv_transfer_params=params)[-1].metrics.num_cached_tokens == 38
     for each in (prefill, decode):
         each.close()
 

@@ -15,6 +15,7 @@ import torch
 from once.engine.attention import PagedKVCache
 from once.engine.config import EngineConfig
 from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_from_model
+from once.engine.kv.block_codec import decode_block
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
@@ -48,6 +49,7 @@ from once.protocol.errors import (
     InvalidRequestError,
     OnceError,
 )
+from once.protocol.kv_blocks import prompt_tail_hash
 from once.sim.eviction import eviction_factory
 
 logger = logging.getLogger(__name__)
@@ -130,7 +132,7 @@ class LLMEngine:
             block_shape = tuple(self.kv_cache.k[:, 0].shape)
             connector = build_kv_tiers(config, self.model_path, block_shape, dtype, num_blocks)
         self.connector = connector
-        self.kv = KVCacheManager(self.pool, connector, self._load_block)
+        self.kv = KVCacheManager(self.pool, connector, self._load_block, self._load_tail)
         self.pauses = SessionPauses(self.pool, connector, self._read_block, config.kv_pause_keep_s)
         if connector is not None and connector.wants_evicted:
             self.pool.on_evict = self._offload_evicted
@@ -223,6 +225,10 @@ class LLMEngine:
                 f"the engine has {limit} requests waiting for KV blocks; retry shortly"
             )
         state = Request(request, self.model_config.eos_token_ids, self.max_model_len)
+        params = request.kv_transfer_params or {}
+        state.kv_remote_tail = self.config.role == "decode" and bool(
+            params.get("do_remote_prefill")
+        )
         constraint = request.sampling.constraint
         if constraint is not None and request.forced_output_ids is None:
             state.grammar = self.grammars.matcher(constraint)
@@ -289,6 +295,8 @@ class LLMEngine:
             requests, committed = self._fail_grammars(failed, requests, committed)
         if self.kv.has_connector:
             self._save_new_blocks()
+            if self.config.role == "prefill":
+                self._save_prompt_tails(out.scheduled)
         update = self.scheduler.update_from_output(out, requests, committed)
         self._record(update)
         deltas += self._deltas(update, logprobs)
@@ -452,6 +460,29 @@ class LLMEngine:
             k = self.kv_cache.k[:, block.block_id]  # (num_layers, block_size, kv_heads, dim)
             v = self.kv_cache.v[:, block.block_id]
             self.connector.save(block.block_hash, k, v)
+
+    def _save_prompt_tails(self, scheduled) -> None:
+        # A prompt finishing its prefill this step: its partial last block goes to the
+        # transfer store beside the full ones (protocol.kv_blocks.prompt_tail_hash).
+        for item in scheduled:
+            request = item.request
+            if request.output_token_ids or request.num_computed_tokens + item.num_new_tokens < (
+                request.num_prompt_tokens
+            ):
+                continue
+            tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
+                                    self.pool.block_size, request.cache_salt)  # fmt: skip
+            block_ids = self.kv.block_ids(request.request_id)
+            index = (request.num_prompt_tokens - 1) // self.pool.block_size
+            if tail is not None and index < len(block_ids):
+                k = self.kv_cache.k[:, block_ids[index]]
+                self._tiers().save_to_transfer(tail[0], k, self.kv_cache.v[:, block_ids[index]])
+
+    def _load_tail(self, block_id: int, tail_hash: int) -> bool:
+        connector = self._tiers()
+        data = connector.transfer.get(tail_hash) if connector.transfer is not None else None
+        k, v = self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
+        return decode_block(data, connector.fingerprint, tail_hash, k, v)
 
     def _offload_evicted(self, block) -> None:
         assert self.connector is not None  # the pool calls back only with a connector

@@ -60,6 +60,9 @@ class Request:
         self.kv_prefetch: Future | None = None
         self.kv_prefetch_started = 0.0
         self.kv_prefetch_settled = False
+        # Disaggregated decode: the prompt's partial last block may come from the prefill
+        # engine too (kv/pd_role.py), so only its last token is computed here.
+        self.kv_remote_tail = False
         self.num_emitted_tokens = 0
 
     @property

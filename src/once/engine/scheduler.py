@@ -166,6 +166,9 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not self.kv.allocate(request, num_new, hit_blocks):
                 break
+            if request.kv_remote_tail and not request.output_token_ids and num_new > 1:
+                num_tail = self.kv.load_tail(request, num_hit_tokens)
+                num_hit_tokens, num_new = num_hit_tokens + num_tail, num_new - num_tail
             self.waiting.popleft()
             if not request.prefix_hit_counted:
                 # The first admission is the lookup that counts; a recompute after

@@ -69,6 +69,23 @@ def block_hashes(
     return extend_block_hashes([], token_ids, block_size, cache_salt)
 
 
+def prompt_tail_hash(
+    hashes: Sequence[int], prompt: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> tuple[int, int] | None:
+    """(hash, number of tokens) of a prompt's tail: the tokens past its last full block
+    that a prefix match can use, all but the prompt's last token (whose logits make the
+    first output token). None when that tail is empty. Prefill/decode disaggregation
+    sends the tail's K/V so the decode side computes one token; its hash never equals a
+    full block's (its extra keys say "tail")."""
+    num_full = (len(prompt) - 1) // block_size
+    tail = prompt[num_full * block_size : len(prompt) - 1]
+    if not tail or len(hashes) < num_full:
+        return None
+    parent = hashes[num_full - 1] if num_full else None
+    extra = ("tail", cache_salt if num_full == 0 else None)
+    return hash_block_tokens(parent, tail, extra), len(tail)
+
+
 # --- KV events (vLLM's format) ---------------------------------------------------------
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from once.engine.kv.blocks import BlockPool, KVBlock
 from once.engine.kv.connector import KVConnector, NoOpConnector
 from once.engine.request import Request
-from once.protocol.kv_blocks import extend_block_hashes
+from once.protocol.kv_blocks import extend_block_hashes, prompt_tail_hash
 
 
 class KVCacheManager:
@@ -25,6 +25,7 @@ class KVCacheManager:
         pool: BlockPool,
         connector: KVConnector | None = None,
         load_block: Callable[[int, int], bool] | None = None,
+        load_tail: Callable[[int, int], bool] | None = None,
     ):
         self.pool = pool
         self.block_size = pool.block_size
@@ -32,6 +33,7 @@ class KVCacheManager:
         # load_block(block_id, block_hash) copies a block from the connector into the
         # device cache; the engine supplies it because only it holds the KV tensors.
         self.load_block = load_block
+        self.load_tail_block = load_tail  # (block_id, tail hash): a remote prompt tail
         self.has_connector = not isinstance(self.connector, NoOpConnector)
         if self.has_connector and load_block is None:
             raise ValueError("a KV connector needs load_block to copy its blocks in")
@@ -125,6 +127,23 @@ class KVCacheManager:
         self.pool.newly_cached = [b for b in self.pool.newly_cached if b not in loaded]
         self.num_external_hit_tokens += len(loaded) * self.block_size
         return loaded
+
+    def load_tail(self, request: Request, num_hit_tokens: int) -> int:
+        """After `allocate`: the prompt's partial last block, from a prefill engine, into
+        the request's own block past its hits; the tokens it covers (0: none loaded)."""
+        tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
+                                self.block_size, request.cache_salt)  # fmt: skip
+        blocks = self.req_blocks.get(request.request_id, [])
+        index = num_hit_tokens // self.block_size
+        if tail is None or self.load_tail_block is None or num_hit_tokens % self.block_size:
+            return 0
+        tail_hash, num_tail = tail
+        if index >= len(blocks) or num_hit_tokens + num_tail != request.num_prompt_tokens - 1:
+            return 0  # the full blocks before the tail did not all come
+        if not self.load_tail_block(blocks[index].block_id, tail_hash):
+            return 0
+        self.num_external_hit_tokens += num_tail
+        return num_tail
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.num_query_tokens += num_prompt_tokens
