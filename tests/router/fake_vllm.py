@@ -9,6 +9,15 @@ sampled id first and then the top k, as one object, so k + 1 keys at most) and
 `text_offset`. Tokens are named "token_id:<id>" when the request sets
 `return_tokens_as_token_ids` (or in the "logprobs" id mode, a server started with
 `--return-tokens-as-token-ids`); otherwise by text, which cannot be mapped back.
+
+Disaggregated prefill, as vLLM's NIXL connector and its proxy do it: a request with
+`kv_transfer_params.do_remote_decode` is answered whole (not streamed) after one token,
+its KV "kept" in `kv_store` (a dict shared by the fakes of one test, standing for the
+transfer), and the response carries `kv_transfer_params` with `do_remote_prefill`, the
+engine id, block ids, host and port. A request bringing those params back to another
+fake finds its prompt's KV there and reports the whole prompt but one token as cached;
+params that match nothing are refused with a 400, as a torn transfer would fail.
+`app.state.remote_prefills` lists the requests that came with KV.
 """
 
 import contextlib
@@ -71,11 +80,19 @@ def constraint_of(structured: dict | None) -> OutputConstraint | None:
     return None
 
 
-def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> FastAPI:
+def build_fake_vllm(
+    engine: ScriptedEngine,
+    *,
+    id_mode: str = "token_ids",
+    engine_id: str = "fake-vllm",
+    kv_store: dict | None = None,
+) -> FastAPI:
     """id_mode: "token_ids" (return_token_ids), "logprobs" (token_id:<id> strings) or
     "text" (no ids at all, as an old server without either option)."""
     app = FastAPI()
     app.state.bodies = []
+    app.state.remote_prefills = []
+    kv_store = {} if kv_store is None else kv_store
 
     @app.get("/health")
     async def health():
@@ -107,6 +124,18 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
             cache_salt=body.get("cache_salt"),
         )
 
+        transfer = body.get("kv_transfer_params") or {}
+        remote_cached = 0
+        if transfer.get("do_remote_decode"):
+            return await prefill_for_remote_decode(request, transfer)
+        if transfer.get("do_remote_prefill"):
+            key = (transfer.get("remote_engine_id"), tuple(transfer.get("remote_block_ids") or ()))
+            if kv_store.get(key) != tuple(prompt):
+                message = "kv_transfer_params name no KV this server can pull"
+                return JSONResponse({"error": {"message": message, "code": 400}}, status_code=400)
+            app.state.remote_prefills.append(body)
+            remote_cached = len(prompt) - 1
+
         num_logprobs = body.get("logprobs")
         as_ids = id_mode == "logprobs" or (
             id_mode != "text" and bool(body.get("return_tokens_as_token_ids"))
@@ -118,7 +147,7 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
             try:
                 async for delta in engine.generate(request):
                     if delta.num_cached_tokens is not None:
-                        num_cached = delta.num_cached_tokens
+                        num_cached = max(delta.num_cached_tokens, remote_cached)
                     num_output += len(delta.token_ids)
                     choice = {"index": 0, "text": TEXT * len(delta.token_ids)}
                     choice["finish_reason"] = delta.finish_reason
@@ -143,6 +172,33 @@ def build_fake_vllm(engine: ScriptedEngine, *, id_mode: str = "token_ids") -> Fa
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def prefill_for_remote_decode(request: GenerateRequest, transfer: dict):
+        ids, finish, num_cached = [], "length", 0
+        async for delta in engine.generate(request):
+            ids += delta.token_ids
+            finish = delta.finish_reason or finish
+            if delta.num_cached_tokens is not None:
+                num_cached = delta.num_cached_tokens
+        block_ids = list(range(len(app.state.bodies) * 1000, len(app.state.bodies) * 1000 + 4))
+        kv_store[(engine_id, tuple(block_ids))] = request.prompt_token_ids
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": engine_id,
+            "remote_block_ids": block_ids,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+        }
+        choice = {"index": 0, "text": TEXT * len(ids), "token_ids": ids, "finish_reason": finish}
+        usage = {
+            "prompt_tokens": len(request.prompt_token_ids),
+            "completion_tokens": len(ids),
+            "prompt_tokens_details": {"cached_tokens": num_cached},
+        }
+        return {"id": request.request_id, "object": "text_completion", "choices": [choice],
+                "usage": usage, "kv_transfer_params": params}  # fmt: skip
 
     return app
 

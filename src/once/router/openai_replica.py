@@ -91,7 +91,17 @@ def completions_body(request: GenerateRequest, model: str) -> dict:
     if sampling.logprobs is not None:
         body["logprobs"] = sampling.logprobs
         body["return_tokens_as_token_ids"] = True  # ids, not text, in the logprobs
+    if request.kv_transfer_params is not None:
+        body["kv_transfer_params"] = request.kv_transfer_params
+        if is_prefill_leg(request):
+            # vLLM returns the decode side's params in the whole response: not streamed.
+            body["stream"] = False
+            del body["stream_options"]
     return body
+
+
+def is_prefill_leg(request: GenerateRequest) -> bool:
+    return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
 
 
 def structured_outputs(constraint: OutputConstraint) -> dict:
@@ -194,6 +204,9 @@ class OpenAICompletionsClient:
         finish_reason: str | None = None
         usage: dict = {}
         num_logprobs = request.sampling.logprobs
+        if is_prefill_leg(request):
+            yield await self._prefill_leg(request, arrival)
+            return
         try:
             async with self._http.stream(
                 "POST", "/v1/completions", json=completions_body(request, self.model)
@@ -229,6 +242,30 @@ class OpenAICompletionsClient:
                 "without a finish reason"
             )
         yield self._last_delta(request, finish_reason, usage, num_output, arrival, first_token_at)
+
+    async def _prefill_leg(self, request: GenerateRequest, arrival: float) -> TokenDelta:
+        """Disaggregated prefill (vLLM's proxy protocol): one non-streamed call whose
+        response carries `kv_transfer_params` for the decode replica; one last delta."""
+        try:
+            response = await self._http.post(
+                "/v1/completions", json=completions_body(request, self.model)
+            )
+        except httpx.TransportError as exc:
+            raise EngineDeadError(f"lost the replica at {self.base_url}: {exc!r}") from exc
+        if response.status_code != 200:
+            raise error_from_status(response.status_code, response.content)
+        data = self._parse(response.text)
+        choices = data.get("choices") or [{}]
+        ids = token_ids_of(choices[0])
+        finish = choices[0].get("finish_reason") or "length"
+        first_token_at = time.monotonic()
+        delta = self._last_delta(
+            request, finish, data.get("usage") or {}, len(ids), arrival, first_token_at
+        )
+        delta.token_ids = ids
+        params = data.get("kv_transfer_params")
+        delta.kv_transfer_params = params if isinstance(params, dict) else None
+        return delta
 
     async def abort(self, request_id: str) -> None:
         # OpenAI servers abort a request when its stream is closed.

@@ -122,9 +122,13 @@ class Replica:
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         live_estimates: bool = True,
         tier_load_s_per_block: float = TIER_LOAD_S_PER_BLOCK,
+        role: str = "both",  # "prefill": only prefill legs of split requests (pd_routing.py)
     ):
         if block_size < 1 or kv_blocks_total < 1:
             raise ValueError("block_size and kv_blocks_total must be >= 1")
+        if role not in ("both", "prefill", "decode"):
+            raise ValueError(f"role must be both, prefill or decode, got {role!r}")
+        self.role = role
         self.name = name
         self.client = client
         self.index = index
@@ -352,6 +356,7 @@ class Replica:
         view = self.view((), 0)
         return {
             "name": self.name,
+            "role": self.role,
             "healthy": self.healthy,
             "down_reason": self.down_reason,
             "num_running": view.num_running,
@@ -366,7 +371,7 @@ class Replica:
         }
 
 
-def in_process_replica(name: str, async_engine, *, index: int) -> Replica:
+def in_process_replica(name: str, async_engine, *, index: int, role: str = "both") -> Replica:
     """A replica around an in-process `AsyncEngine`, with an exact prefix index fed by its
     `LLMEngine.take_kv_events()` (drained before each routing decision). The engine hashes
     blocks like the router, so its hashes are used as they are."""
@@ -380,4 +385,5 @@ def in_process_replica(name: str, async_engine, *, index: int) -> Replica:
         kv_blocks_total=len(core.pool.blocks),
         prefix_index=ExactPrefixIndex(rehash=False),
         kv_event_source=core.take_kv_events,
+        role=role,
     )

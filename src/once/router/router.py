@@ -39,6 +39,9 @@ that streams text only gets a clear error, never a silent re-tokenization. SGLan
 the same token-id prompts; whether its build streams output ids decides whether the
 client can use it (untested here); it publishes no KV events in vLLM's format, so its
 replicas use the approximate index.
+
+Disaggregation: replicas of role "prefill" take only the prefill legs of requests the split
+policy sends through one (pd_routing.py); everything else is routed among the others.
 """
 
 import asyncio
@@ -51,6 +54,8 @@ from dataclasses import dataclass, field, replace
 from once.protocol.engine import FINISH_ERROR, EngineClient, GenerateRequest, TokenDelta
 from once.protocol.errors import EngineDeadError, EngineOverloadedError
 from once.protocol.kv_blocks import block_hashes, extend_block_hashes
+from once.router.pd_routing import Disaggregation
+from once.router.pd_split import SPLIT, SplitPolicy
 from once.router.policies import Policy, RequestView, make_policy
 from once.router.replicas import Replica
 
@@ -69,6 +74,8 @@ class RouterConfig:
     probe_timeout_s: float = 5.0  # a hung replica must not stall the health loop
     seed: int = 0  # of the tie-breaking rng: same seed, same decisions as the simulator
     max_decisions: int = 10_000  # recent (request id, replica name) pairs kept
+    # With prefill replicas: which requests go through one (pd_split.py); None: defaults.
+    pd_split: SplitPolicy | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.max_attempts < 1:
@@ -115,6 +122,12 @@ class Router:
             if replica.block_size != self.config.block_size:
                 raise ValueError(f"replica {replica.name} block size differs from the router's")
         self.replicas = list(replicas)
+        self.prefill_indices = [r.index for r in replicas if r.role == "prefill"]
+        if len(self.prefill_indices) == len(self.replicas):
+            raise ValueError("a router with prefill replicas needs a decode (or both) replica")
+        self.pd = None
+        if self.prefill_indices:
+            self.pd = Disaggregation(self.config.pd_split or SplitPolicy())
         self.policy: Policy = make_policy(self.config.policy, **self.config.policy_params)
         self.rng = random.Random(self.config.seed)
         self.decisions: deque[tuple[str, str]] = deque(maxlen=self.config.max_decisions)
@@ -155,7 +168,9 @@ class Router:
         hashes = tuple(block_hashes(prompt, self.config.block_size, request.cache_salt))
         tried: set[int] = set()
         while True:
-            replica = self._choose(request, hashes, tried)
+            replica, request_view, views = self._choose(request, hashes, tried)
+            if self.pd is not None and not tried and request.kv_transfer_params is None:
+                request = await self._maybe_split(request, request_view, views, replica, hashes)
             tried.add(replica.index)
             streamed = False
             try:
@@ -182,6 +197,20 @@ class Router:
                     ) from cause
                 self.counters["num_retries"] += 1
 
+    async def _maybe_split(self, request, request_view, views, replica, hashes):
+        # The first attempt of a request only: a retry goes to its new replica unsplit.
+        assert self.pd is not None
+        prefills = [views[i] for i in self.prefill_indices]
+        decision = self.pd.decide(request_view, views[replica.index], prefills, self.rng)
+        if decision.reason != SPLIT or decision.prefill_index is None:
+            return request
+        prefill = self.replicas[decision.prefill_index]
+        params = await self.pd.run_prefill(self, prefill, request, hashes)
+        if params is None:
+            return request
+        self.pd.record_split(prefill.name, replica.name, request, decision.num_uncached_tokens)
+        return replace(request, kv_transfer_params=params)
+
     async def abort(self, request_id: str) -> None:
         replica = self._where.get(request_id)
         if replica is not None:
@@ -207,6 +236,7 @@ class Router:
             "num_cached_prompt_tokens": num_cached,
             "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else 0.0,
             "replicas": replicas,
+            **({"pd": self.pd.stats()} if self.pd is not None else {}),
         }
 
     async def check_health(self) -> None:
@@ -250,7 +280,9 @@ class Router:
             replica.sync_index()
         num_prompt = len(request.prompt_token_ids)
         views = [replica.view(hashes, num_prompt) for replica in self.replicas]
-        views = [replace(v, healthy=False) if v.index in tried else v for v in views]
+        # Prefill replicas serve only the prefill legs of split requests.
+        unavailable = tried | set(self.prefill_indices)
+        views = [replace(v, healthy=False) if v.index in unavailable else v for v in views]
         request_view = RequestView(
             request_id=request.request_id,
             num_prompt_tokens=len(request.prompt_token_ids),
@@ -267,7 +299,10 @@ class Router:
         if not views[chosen].healthy:
             raise RuntimeError(f"policy {self.policy.name} chose an unavailable replica")
         self.decisions.append((request.request_id, self.replicas[chosen].name))
-        return self.replicas[chosen]
+        # The prefill replicas' views as they are, for the split decision.
+        views = [self.replicas[i].view(hashes, num_prompt) if i in self.prefill_indices
+                 else view for i, view in enumerate(views)]  # fmt: skip
+        return self.replicas[chosen], request_view, views
 
     async def _stream_from(
         self, replica: Replica, request: GenerateRequest, hashes: tuple[int, ...]

@@ -8,6 +8,11 @@ Replicas are `once engine` servers (`--engine-url`) and/or OpenAI-compatible vLL
 servers (`--openai-url`, with `--openai-model`), in the order given; their block size must
 be the router's (`--block-size`, vLLM's default is 16 like once's). Indices are
 approximate here; for vLLM's exact KV events see router.py.
+
+Disaggregated: `--prefill-engine-url` (a `once engine --role prefill`) and
+`--prefill-openai-url` (a vLLM prefill instance) add prefill replicas; requests the split
+policy picks (`--pd-min-uncached-tokens`, ...) are prefilled there and decoded on the
+others (pd_routing.py).
 """
 
 import argparse
@@ -16,6 +21,7 @@ from collections.abc import Sequence
 from once.engine.client import RemoteEngineClient
 from once.protocol.engine import EngineClient
 from once.router.openai_replica import OpenAICompletionsClient
+from once.router.pd_split import SplitPolicy
 from once.router.policies import POLICIES
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
@@ -36,6 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-url", action="append", default=[], help="a once engine")
     parser.add_argument("--openai-url", action="append", default=[], help="a vLLM/SGLang")
     parser.add_argument("--openai-model", default="", help="model name the OpenAI replicas serve")
+    parser.add_argument(
+        "--prefill-engine-url", action="append", default=[], help="a once engine --role prefill"
+    )
+    parser.add_argument(
+        "--prefill-openai-url", action="append", default=[], help="a vLLM prefill instance"
+    )
+    parser.add_argument("--pd-min-uncached-tokens", type=int, default=2048)
+    parser.add_argument("--pd-min-decoding", type=int, default=1)
+    parser.add_argument("--pd-max-slowdown", type=float, default=1.5)
+    parser.add_argument("--pd-ttft-budget", type=float, default=0.0, help="seconds")
     parser.add_argument("--policy", default="once", choices=sorted(POLICIES))
     parser.add_argument(
         "--policy-param",
@@ -59,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 def build_router(args: argparse.Namespace) -> Router:
     if not args.engine_url and not args.openai_url:
         raise ValueError("give at least one replica (--engine-url or --openai-url)")
-    if args.openai_url and not args.openai_model:
+    if (args.openai_url or args.prefill_openai_url) and not args.openai_model:
         raise ValueError("--openai-url needs --openai-model")
     config = RouterConfig(
         policy=args.policy,
@@ -69,15 +85,28 @@ def build_router(args: argparse.Namespace) -> Router:
         delta_timeout_s=args.delta_timeout,
         health_interval_s=args.health_interval,
         seed=args.seed,
+        pd_split=SplitPolicy(
+            min_uncached_tokens=args.pd_min_uncached_tokens,
+            min_decoding=args.pd_min_decoding,
+            max_slowdown=args.pd_max_slowdown,
+            ttft_budget_s=args.pd_ttft_budget,
+        ),
     )
     clients: list[tuple[str, EngineClient]] = [
         (url, RemoteEngineClient(url)) for url in args.engine_url
     ]
     clients += [(url, OpenAICompletionsClient(url, args.openai_model)) for url in args.openai_url]
-    replicas = [
-        Replica(url, client, index=i, block_size=args.block_size, kv_blocks_total=args.kv_blocks)
-        for i, (url, client) in enumerate(clients)
+    roles = ["both"] * len(clients)
+    clients += [(url, RemoteEngineClient(url)) for url in args.prefill_engine_url]
+    clients += [
+        (url, OpenAICompletionsClient(url, args.openai_model)) for url in args.prefill_openai_url
     ]
+    roles += ["prefill"] * (len(clients) - len(roles))
+    replicas = [
+        Replica(url, client, index=i, block_size=args.block_size, kv_blocks_total=args.kv_blocks,
+                role=role)
+        for i, ((url, client), role) in enumerate(zip(clients, roles, strict=True))
+    ]  # fmt: skip
     return Router(replicas, config)
 
 
