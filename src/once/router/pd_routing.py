@@ -19,6 +19,7 @@ counted and the request goes to the decode replica unsplit: it computes the prom
 import contextlib
 import random
 import time
+from collections import deque
 from dataclasses import replace
 
 from once.protocol.engine import GenerateRequest
@@ -26,6 +27,7 @@ from once.router.pd_split import DECISIONS, SPLIT, SplitPolicy
 from once.router.policies import ReplicaView, RequestView
 
 PREFILL_SUFFIX = ":prefill"
+MAX_SPLIT_IDS = 100_000
 # vLLM's toy proxy sends these keys, the remote_* ones empty, on the prefill request.
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -60,6 +62,7 @@ class Disaggregation:
             "prefill_leg_s": 0.0,
         }
         self.last_pair: tuple[str, str] | None = None  # (prefill, decode) replica names
+        self.split_request_ids: deque[str] = deque(maxlen=MAX_SPLIT_IDS)  # the newest
 
     def decide(
         self,
@@ -94,6 +97,7 @@ class Disaggregation:
 
     def record_split(self, prefill_name: str, decode_name: str, request, uncached: int) -> None:
         self.last_pair = (prefill_name, decode_name)
+        self.split_request_ids.append(request.request_id)
         self.counters["num_split_prompt_tokens"] += len(request.prompt_token_ids)
         self.counters["num_uncached_split_tokens"] += uncached
 

@@ -16,6 +16,9 @@ the ledger reports), the naive stack round-robin over the N replicas, and a once
 one in-process engine as the reference for cached tokens; every stack gets fresh
 replicas. The JSON gains a `routing` section (routing.py). A call that fails with
 `engine_unavailable` (a replica died mid-response) is retried, at most 3 sends.
+
+Disaggregation (`--pd P:D`): two more once stacks, colocated over P + D engine processes
+and over P prefill and D decode engines; the JSON gains a `pd` section (pd.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,15 @@ from once.bench.replay.kv_pressure import (
 )
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
 from once.bench.replay.pacing import FAST, PACINGS
+from once.bench.replay.pd import (
+    add_pd_arguments,
+    check_pd_args,
+    format_pd_section,
+    parse_pd,
+    pd_observations,
+    pd_runs,
+    pd_section,
+)
 from once.bench.replay.plan import SessionPlan, plan_session
 from once.bench.replay.replicas import default_replica_threads
 from once.bench.replay.report import write_report
@@ -130,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     routing.add_argument("--replica-threads", type=int, help="default: cores // --replicas")
     add_kv_pressure_arguments(parser)
+    add_pd_arguments(parser)
     return parser
 
 
@@ -158,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency < 1 or not args.time_scale >= 0:
         print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
         return 2
-    problem = check_routing_args(args) or check_kv_pressure_args(args)
+    problem = check_routing_args(args) or check_kv_pressure_args(args) or check_pd_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -180,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print_second_bar(report, sys.stdout)
         if "kv_pressure" in report:
             print_kv_pressure(report["kv_pressure"], sys.stdout)
+        if "pd" in report:
+            print(format_pd_section(report["pd"]))
     return 0
 
 
@@ -209,8 +224,12 @@ async def run_replay(sessions, args) -> dict:
         if getattr(args, "baseline", None) == "transformers":  # first: its figures are logged early
             baseline = run_transformers_baseline(folder, [plan for _, plan in plans], _log)
         records: dict[str, dict[str, list[dict]]] = {}
-        counters, traffic, routing_stats = {}, {}, {}
+        counters, traffic, routing_stats, pd_observed = {}, {}, {}, {}
         runs = stack_runs(args) + pressure_runs(args, str(Path(tmp) / "kv-disk"))
+        pd = parse_pd(getattr(args, "pd", None))
+        if pd is not None:
+            threads = getattr(args, "replica_threads", None) or default_replica_threads(sum(pd))
+            runs += pd_runs(args, threads)
         with progress_bars(not getattr(args, "no_progress", True)) as progress:
             for run in runs:
                 name = run.spec.name
@@ -230,6 +249,8 @@ async def run_replay(sessions, args) -> dict:
                     counters[name] = await stack.counters()
                     if stack.fleet is not None:
                         routing_stats[name] = await stack.fleet.routing_stats()
+                    if pd is not None and run in runs[-2:]:
+                        pd_observed[name] = await pd_observations(stack)
                     block_size = stack.block_size
     report = build_report(plans, records, counters, block_size, args)
     add_cpu_seconds(report, traffic, STACKS)
@@ -244,6 +265,8 @@ async def run_replay(sessions, args) -> dict:
         report["routing"] = routing_section(runs, records, routing_stats)
     if getattr(args, "kv_blocks", None) is not None:
         report["kv_pressure"] = kv_pressure_section(plans, records, counters, block_size, args)
+    if pd_observed:
+        report["pd"] = pd_section(records, pd_observed, args.pd, args.pd_transport)
     return report
 
 

@@ -49,6 +49,9 @@ class ForcedOutputEngine:
         self.inner = inner
         self._outputs: dict[str, deque[tuple[int, ...]]] = {}
         self.records: list[EngineRecord] = []
+        # Inter-token latency as the gateway sees it: per output token after a request's
+        # first, the gap since the previous delta, split evenly over a delta's tokens.
+        self.token_gaps_s: list[float] = []
 
     def expect(self, session_key: str, outputs: Sequence[Sequence[int]]) -> None:
         """The outputs to force for a session's calls, in the order they will arrive."""
@@ -70,6 +73,7 @@ class ForcedOutputEngine:
         )
         self.records.append(record)
         started = time.perf_counter()
+        last_token_at: float | None = None
         forced_request = replace(request, forced_output_ids=forced)
         completed = False
         try:
@@ -80,8 +84,14 @@ class ForcedOutputEngine:
             deltas_in = self.inner.generate(forced_request)
             async with contextlib.aclosing(deltas_in) as deltas:  # type: ignore[type-var]
                 async for delta in deltas:
-                    if record.first_token_s is None and delta.token_ids:
-                        record.first_token_s = time.perf_counter() - started
+                    if delta.token_ids:
+                        now = time.perf_counter()
+                        if record.first_token_s is None:
+                            record.first_token_s = now - started
+                        elif last_token_at is not None:
+                            gap = (now - last_token_at) / len(delta.token_ids)
+                            self.token_gaps_s.extend([gap] * len(delta.token_ids))
+                        last_token_at = now
                     if delta.num_cached_tokens is not None:
                         record.num_cached_tokens = delta.num_cached_tokens
                     if delta.finished:

@@ -39,6 +39,7 @@ import httpx
 from once.engine.client import RemoteEngineClient
 from once.protocol.errors import OnceError
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
+from once.router.pd_split import SplitPolicy
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
 
@@ -131,9 +132,11 @@ async def start_replicas(
     kv_events: bool = False,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
     extra_flags: Sequence[str] = (),
+    flags_per_replica: Sequence[Sequence[str]] = (),
 ) -> AsyncIterator[list[ReplicaProcess]]:
     """`count` replicas named replica-0..N-1; those whose index is in `slow` run at
-    1/`slowdown` speed. Yields them once every one answers /healthz."""
+    1/`slowdown` speed; replica i gets `flags_per_replica[i]` after `extra_flags`. Yields
+    them once every one answers /healthz."""
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     if any(not 0 <= index < count for index in slow):
@@ -149,7 +152,8 @@ async def start_replicas(
                 model_folder, port, threads=threads, max_model_len=max_model_len,
                 kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching, slowdown=speed,
                 speculative_method=speculative_method, kv_events_endpoint=events,
-                extra_flags=extra_flags,
+                extra_flags=[*extra_flags, *(flags_per_replica[index] if flags_per_replica
+                                             else ())],
             )  # fmt: skip
             stderr_path = Path(logs) / f"replica-{index}.{port}.stderr"
             with open(stderr_path, "wb") as stderr:
@@ -302,19 +306,32 @@ async def open_fleet(
     prefix_caching: bool = True,
     speculative_method: str = "",
     exact_index: bool = True,
+    pd: tuple[int, int] | None = None,
+    pd_split: SplitPolicy | None = None,
+    pd_transport: str = "shm",
 ) -> AsyncIterator[Fleet]:
     """`count` replicas (the last `num_slow` of them slow) behind a `Router(policy)`.
 
     exact_index: each replica publishes its KV events over ZMQ (as vLLM does) and the
     router follows them into an exact prefix index; otherwise the router keeps an
-    approximate one from the prompts it routed."""
+    approximate one from the prompts it routed. pd = (P, D): disaggregated instead, the
+    first P replicas `--role prefill` (their KV store over `pd_transport`), the other D
+    `--role decode`, and the router splits by `pd_split` (count must be P + D)."""
     if not 0 <= num_slow <= count:
         raise ValueError(f"slow replicas must be between 0 and {count}, got {num_slow}")
     slow = range(count - num_slow, count)
+    roles = ["both"] * count
+    flags: list[list[str]] = []
+    if pd is not None:
+        if sum(pd) != count or min(pd) < 1:
+            raise ValueError(f"a P:D fleet needs P, D >= 1 and P + D = {count}, got {pd}")
+        roles = ["prefill"] * pd[0] + ["decode"] * pd[1]
+        flags = [["--role", role] + (["--kv-transfer", pd_transport] if role == "prefill" else [])
+                 for role in roles]  # fmt: skip
     async with start_replicas(
         model_folder, count=count, slow=slow, slowdown=slowdown, threads=threads,
         max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching,
-        speculative_method=speculative_method, kv_events=exact_index,
+        speculative_method=speculative_method, kv_events=exact_index, flags_per_replica=flags,
     ) as processes:  # fmt: skip
         clients = [RemoteEngineClient(process.url) for process in processes]
         indices = [ExactPrefixIndex() if exact_index else None for _ in processes]
@@ -333,12 +350,14 @@ async def open_fleet(
                     block_size=first["block_size"],
                     kv_blocks_total=first["num_kv_blocks_total"],
                     prefix_index=prefix_index,
+                    role=role,
                 )
-                for i, (process, client, prefix_index) in enumerate(
-                    zip(processes, clients, indices, strict=True)
+                for i, (process, client, prefix_index, role) in enumerate(
+                    zip(processes, clients, indices, roles, strict=True)
                 )
             ]
-            router = Router(replicas, RouterConfig(policy=policy, block_size=first["block_size"]))
+            config = RouterConfig(policy=policy, block_size=first["block_size"], pd_split=pd_split)
+            router = Router(replicas, config)
             try:
                 yield Fleet(processes, clients, router)
             finally:

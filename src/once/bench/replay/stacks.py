@@ -241,12 +241,16 @@ async def open_stack(
     policy: str = "once",
     replica_threads: int = 1,
     kv_tiers: dict | None = None,
+    pd: tuple[int, int] | None = None,
+    pd_split=None,
+    pd_transport: str = "shm",
 ) -> AsyncIterator[Stack]:
     """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
     replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
     speed, `replica_threads` threads each) behind a router with `policy`; each stack
     starts its own, so every stack's caches start empty. `kv_tiers`: EngineConfig's kv_*
-    settings of the in-process engine."""
+    settings of the in-process engine. pd = (P, D): the replicas are P prefill and D decode
+    engines (open_fleet)."""
     from once.gateway.testing import serve_gateway
 
     builder = runtime.builder
@@ -266,7 +270,8 @@ async def open_stack(
                     model_folder, count=replicas, num_slow=slow_replicas, slowdown=slowdown,
                     threads=replica_threads, policy=policy, max_model_len=max_model_len,
                     kv_cache_gib=kv_cache_gib, prefix_caching=spec.prefix_caching,
-                    speculative_method=spec.speculative_method,
+                    speculative_method=spec.speculative_method, pd=pd, pd_split=pd_split,
+                    pd_transport=pd_transport,
                 )
             )  # fmt: skip
             engine = fleet.router
