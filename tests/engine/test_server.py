@@ -102,6 +102,8 @@ MALFORMED_BODIES = [
     b'{"request_id": "x", "prompt_token_ids": [1], "forced_output_ids": [-1.5]}',
     b'{"request_id": "x", "prompt_token_ids": [1], "cache_salt": 3}',
     b'{"request_id": "x", "prompt_token_ids": [1], "extra": 1}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "kv_transfer_params": "tcp://x"}',
+    b'{"request_id": "x", "prompt_token_ids": [1], "kv_transfer_params": [1]}',
     b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": "regex"}}',
     b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": {"kind": 1}}}',
     b'{"request_id": "x", "prompt_token_ids": [1], "sampling": {"constraint": {"kind": "sql"}}}',

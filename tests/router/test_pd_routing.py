@@ -1,6 +1,7 @@
 """The router's disaggregated path: vLLM's prefill/decode protocol against the fake vLLM,
 through `once router`'s own app, and over once's engines with real KV transfer."""
 
+import httpx
 import pytest
 
 from once.engine.async_engine import AsyncEngine
@@ -87,6 +88,9 @@ async def test_the_fake_vllms_pd_protocol_round_trips_through_once_router():
                 assert tokens == PROMPT[:4]
                 assert len(decode_app.state.remote_prefills) == 1
                 assert (await client.stats())["pd"]["decisions"]["split"] == 1
+                async with httpx.AsyncClient(base_url=router_url) as http:
+                    text = (await http.get("/metrics")).text
+                assert "pd_decisions_split 1.0" in text and "pd_pairs_" in text
             finally:
                 await client.aclose()
                 await router.aclose()

@@ -63,6 +63,7 @@ class Disaggregation:
         }
         self.last_pair: tuple[str, str] | None = None  # (prefill, decode) replica names
         self.split_request_ids: deque[str] = deque(maxlen=MAX_SPLIT_IDS)  # the newest
+        self.pairs: dict[str, int] = {}  # "prefill->decode" replica names -> split requests
 
     def decide(
         self,
@@ -98,6 +99,8 @@ class Disaggregation:
     def record_split(self, prefill_name: str, decode_name: str, request, uncached: int) -> None:
         self.last_pair = (prefill_name, decode_name)
         self.split_request_ids.append(request.request_id)
+        pair = f"{prefill_name}->{decode_name}"
+        self.pairs[pair] = self.pairs.get(pair, 0) + 1
         self.counters["num_split_prompt_tokens"] += len(request.prompt_token_ids)
         self.counters["num_uncached_split_tokens"] += uncached
 
@@ -106,6 +109,7 @@ class Disaggregation:
             "decisions": dict(self.decisions),
             **self.counters,
             "last_pair": list(self.last_pair) if self.last_pair else None,
+            "pairs": dict(self.pairs),  # numeric, so /metrics exports one gauge per pair
         }
 
 

@@ -1,0 +1,40 @@
+"""`once replay --pd 1:1`: hand-made sessions over a prefill and a decode engine process,
+beside the same stack colocated over two engines, in one run."""
+
+import asyncio
+
+import pytest
+
+from once.bench.replay import cli
+from once.bench.replay.pd import COLOCATED, DISAGGREGATED, parse_pd
+from tests.bench.test_replay_report import _args, _session
+
+
+@pytest.fixture(scope="module")
+def pd_report():
+    sessions = [("folder-a", _session("a")), ("folder-b", _session("b"))]
+    args = _args(pd="1:1", pd_min_uncached_tokens=64, pd_transport="shm")
+    return asyncio.run(cli.run_replay(sessions, args))
+
+
+def test_split_calls_are_decoded_from_the_prefill_engines_kv(pd_report):
+    section = pd_report["pd"]
+    assert section["num_split_calls"] >= 2  # at least each session's first call
+    assert section["router"]["decisions"]["split"] == section["num_split_calls"]
+    assert section["router"]["num_prefill_failures"] == 0
+    assert section["max_decode_computed_tokens_of_split"] <= 1
+    assert section["transfer_blocks"] > 0 and section["transfer_bytes"] > 0
+    assert section["probe_gb_per_s"] > 0 and section["transfer_gb_per_s"] > 0
+    assert section["outputs_identical"]
+    colocated, split = section["variants"][COLOCATED], section["variants"][DISAGGREGATED]
+    assert colocated["calls"] == split["calls"] == 8
+    # The decode engine did not compute what came over: the split stack computed less.
+    assert split["computed_tokens"] < colocated["computed_tokens"]
+    assert split["itl_p50_s"] is not None and colocated["itl_p99_s"] is not None
+
+
+def test_bad_pd_flags_are_refused():
+    assert cli.main(["--pd", "1"]) == 2
+    assert cli.main(["--pd", "0:1"]) == 2
+    assert cli.main(["--pd", "1:1", "--replicas", "2"]) == 2
+    assert parse_pd("2:3") == (2, 3)
