@@ -25,6 +25,7 @@ from dataclasses import replace
 from once.protocol.engine import GenerateRequest
 from once.router.pd_split import DECISIONS, SPLIT, SplitPolicy
 from once.router.policies import ReplicaView, RequestView
+from once.router.replicas import ReplicaFailure
 
 PREFILL_SUFFIX = ":prefill"
 MAX_SPLIT_IDS = 100_000
@@ -78,8 +79,6 @@ class Disaggregation:
 
     async def run_prefill(self, router, replica, request: GenerateRequest, hashes) -> dict | None:
         """The prefill leg on `replica`; the params for the decode call, None on failure."""
-        from once.router.router import ReplicaFailure  # noqa: PLC0415 - a cycle otherwise
-
         self.counters["num_prefill_legs"] += 1
         started = time.monotonic()
         params = None

@@ -48,6 +48,10 @@ DEFAULT_OUTPUT_TOKENS = 256  # the expected output until finished requests say o
 SPEED_SMOOTHING = 0.2  # weight of a new sample in the moving averages
 
 
+class ReplicaFailure(Exception):
+    """Internal to the router: the replica, not the request, failed."""
+
+
 def moving_average(old: float, sample: float, weight: float = SPEED_SMOOTHING) -> float:
     return (1 - weight) * old + weight * sample
 

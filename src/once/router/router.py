@@ -57,7 +57,7 @@ from once.protocol.kv_blocks import block_hashes, extend_block_hashes
 from once.router.pd_routing import Disaggregation
 from once.router.pd_split import SPLIT, SplitPolicy
 from once.router.policies import Policy, RequestView, make_policy
-from once.router.replicas import Replica
+from once.router.replicas import Replica, ReplicaFailure
 
 MAX_SESSIONS = 65536  # sessions whose last replica is remembered for pause hints
 
@@ -95,10 +95,6 @@ async def _aclose_quietly(stream: AsyncIterator[TokenDelta]) -> None:
     if aclose is not None:
         with contextlib.suppress(Exception):
             await aclose()
-
-
-class ReplicaFailure(Exception):
-    """Internal: the replica, not the request, failed."""
 
 
 def _is_dead_delta(delta: TokenDelta) -> bool:

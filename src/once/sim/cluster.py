@@ -139,7 +139,7 @@ class Cluster:
                 if version != replica.version:
                     continue  # superseded by a later plan
                 for state in replica.finish_step(now):
-                    if state.transfer is not None:
+                    if isinstance(state.transfer, KVTransfer):  # the cluster's own legs
                         self._hand_off(state.transfer, now)
                     else:
                         self._follow(state, followers, now)

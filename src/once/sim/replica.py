@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from once.sim.kvcache import BlockCache, EvictionPolicy
 from once.sim.latency import LatencyHistogram
@@ -33,8 +33,16 @@ from once.sim.profiles import ReplicaProfile
 from once.sim.tiers import LowerTiers
 from once.sim.workload import SimRequest
 
-if TYPE_CHECKING:
-    from once.sim.pd import KVTransfer
+
+class PrefillTransfer(Protocol):
+    """A prefill leg's KV on its way to a decode replica (once.sim.pd.KVTransfer)."""
+
+    from_tokens: int
+    pull_prefix: bool
+
+    def send(self, num_computed: int, now: float) -> None: ...
+
+    def pull_s(self, num_tokens: int) -> float: ...
 
 
 @dataclass(slots=True)
@@ -54,7 +62,7 @@ class RequestState:
     rejected: bool = False
     # Prefill/decode disaggregation (`once.sim.pd`): a prefill leg streams its KV through
     # `transfer`; the decode leg it hands off to arrives `transferred`, its prompt in KV.
-    transfer: KVTransfer | None = None
+    transfer: PrefillTransfer | None = None
     transferred: bool = False
     num_transferred_tokens: int = 0
 
