@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 
 from once.router.policies import POLICIES, make_policy
 from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
-from once.sim.cluster import Cluster
+from once.sim.cluster import Cluster, SimResult
 from once.sim.eviction import DEFAULT_EVICTION
 from once.sim.metrics import summarize
+from once.sim.pd import PDConfig
 from once.sim.profiles import ReplicaProfile
 from once.sim.retention import retention_report
 from once.sim.tiers import TierConfig
@@ -35,6 +36,15 @@ class Scenario:
 
 
 def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: str) -> dict:
+    _, row = run_cluster(requests, scenario, policy_name)
+    return {"policy": policy_name, **row}
+
+
+def run_cluster(
+    requests: Sequence[SimRequest], scenario: Scenario, policy_name: str, pd: PDConfig | None = None
+) -> tuple[SimResult, dict]:
+    """The scenario's cluster under `policy_name` (disaggregated with `pd`): its result
+    and the summary at the profile's SLOs."""
     profile = scenario.profile
     cluster = Cluster(
         [profile] * scenario.num_replicas,
@@ -42,10 +52,11 @@ def run_policy(requests: Sequence[SimRequest], scenario: Scenario, policy_name: 
         seed=scenario.seed,
         eviction=scenario.eviction,
         tiers=scenario.tiers,
+        pd=pd,
     )
     result = cluster.run(requests)
     row = summarize(result, requests, ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s)
-    return {"policy": policy_name, **row}
+    return result, row
 
 
 def compare_policies(
@@ -100,9 +111,9 @@ def tier_comparison(
         "kv_block_bytes": scenario.profile.kv_block_bytes,
         "ttft_p90_s_no_tiers": without["ttft_p90_s"],
         "ttft_p90_s_tiers": with_tiers["ttft_p90_s"],
-        "tier_ttft_p90_ratio": _ratio(with_tiers["ttft_p90_s"], without["ttft_p90_s"]),
+        "tier_ttft_p90_ratio": ratio(with_tiers["ttft_p90_s"], without["ttft_p90_s"]),
         "hit_ratio_no_tiers": without["hit_ratio"],
-        "hit_ratio_vs_bound_no_tiers": _ratio(without["hit_ratio"], without["hit_ratio_bound"]),
+        "hit_ratio_vs_bound_no_tiers": ratio(without["hit_ratio"], without["hit_ratio_bound"]),
         "once_no_tiers": without,
     }
 
@@ -114,7 +125,7 @@ def bar_ratios(table: Sequence[dict]) -> dict:
     once = next((row for row in table if row["policy"] == ONCE_POLICY), None)
     if once is None:
         return {}
-    ratios = {"hit_ratio_vs_bound": _ratio(once["hit_ratio"], once["hit_ratio_bound"])}
+    ratios = {"hit_ratio_vs_bound": ratio(once["hit_ratio"], once["hit_ratio_bound"])}
     others = [row for row in table if row["policy"] != ONCE_POLICY]
     if not others:
         return ratios
@@ -122,14 +133,14 @@ def bar_ratios(table: Sequence[dict]) -> dict:
     best_goodput = max(others, key=lambda row: row["goodput_rps"])
     return {
         "best_other_p90_ttft_policy": best_ttft["policy"],
-        "p90_ttft_ratio_vs_best": _ratio(once["ttft_p90_s"], best_ttft["ttft_p90_s"]),
+        "p90_ttft_ratio_vs_best": ratio(once["ttft_p90_s"], best_ttft["ttft_p90_s"]),
         "best_other_goodput_policy": best_goodput["policy"],
-        "goodput_ratio_vs_best": _ratio(once["goodput_rps"], best_goodput["goodput_rps"]),
+        "goodput_ratio_vs_best": ratio(once["goodput_rps"], best_goodput["goodput_rps"]),
         **ratios,
     }
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
     if b == 0 or math.isnan(a) or math.isnan(b):
         return float("nan")
     return a / b

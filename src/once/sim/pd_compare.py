@@ -18,16 +18,13 @@ and finishes late loses on it, as it should.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from once.router.pd_split import SplitPolicy
-from once.router.policies import make_policy
 from once.sim.capacity import arrival_scale_for_load
-from once.sim.cluster import Cluster
-from once.sim.compare import ONCE_POLICY, Scenario
-from once.sim.metrics import latencies, summarize
+from once.sim.compare import ONCE_POLICY, Scenario, ratio, run_cluster
+from once.sim.metrics import latencies
 from once.sim.pd import PDConfig
 from once.sim.workload import SimRequest, scale_arrivals
 
@@ -67,16 +64,7 @@ def run_setup(
     requests: Sequence[SimRequest], scenario: Scenario, pd: PDConfig | None, tight_tpot_s: float
 ) -> dict:
     profile = scenario.profile
-    cluster = Cluster(
-        [profile] * scenario.num_replicas,
-        make_policy(ONCE_POLICY),
-        seed=scenario.seed,
-        eviction=scenario.eviction,
-        tiers=scenario.tiers,
-        pd=pd,
-    )
-    result = cluster.run(requests)
-    row = summarize(result, requests, ttft_slo_s=profile.ttft_slo_s, tpot_slo_s=profile.tpot_slo_s)
+    result, row = run_cluster(requests, scenario, ONCE_POLICY, pd)
     served = [s for s in result.states if not s.rejected and s.finish_s is not None]
     num_tight = sum(
         ttft <= profile.ttft_slo_s and tpot <= tight_tpot_s for ttft, tpot in latencies(served)
@@ -117,12 +105,12 @@ def compare_pd(requests: Sequence[SimRequest], scenario: Scenario, grid: PDGrid)
         "colocated": colocated,
         "pick_default": best_default,
         "pick_tight": best_tight,
-        "pd_goodput_ratio_default": _ratio(best_default["goodput_rps"], colocated["goodput_rps"]),
-        "pd_goodput_ratio_tight": _ratio(
+        "pd_goodput_ratio_default": ratio(best_default["goodput_rps"], colocated["goodput_rps"]),
+        "pd_goodput_ratio_tight": ratio(
             best_tight["goodput_rps_tight"], colocated["goodput_rps_tight"]
         ),
-        "pd_p99_itl_ratio": _ratio(best_default["itl_p99_s"], colocated["itl_p99_s"]),
-        "pd_p90_ttft_ratio": _ratio(best_default["ttft_p90_s"], colocated["ttft_p90_s"]),
+        "pd_p99_itl_ratio": ratio(best_default["itl_p99_s"], colocated["itl_p99_s"]),
+        "pd_p90_ttft_ratio": ratio(best_default["ttft_p90_s"], colocated["ttft_p90_s"]),
         "sweep": [_brief(row) for row in sweep],
     }
 
@@ -130,12 +118,6 @@ def compare_pd(requests: Sequence[SimRequest], scenario: Scenario, grid: PDGrid)
 def _brief(row: dict) -> dict:
     keys = ("goodput_rps", "goodput_rps_tight", "ttft_p90_s", "itl_p99_s", "tpot_mean_s")
     return {**row["setup"], **{key: row[key] for key in keys}, "pd": row.get("pd", {})}
-
-
-def _ratio(a: float, b: float) -> float:
-    if b == 0 or math.isnan(a) or math.isnan(b):
-        return float("nan")
-    return a / b
 
 
 def format_pd_report(report: dict) -> str:

@@ -35,7 +35,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from once.bench.replay.routing import StackRun
+from once.bench.replay.routing import StackRun, percentile
 from once.bench.replay.stacks import ONCE
 from once.engine.kv.block_codec import decode_block, encode_block
 from once.engine.kv.transfer import TransferStore, open_peer
@@ -121,11 +121,11 @@ def pd_section(records: dict, observed: dict, pd_text: str, transport: str) -> d
         gaps = observed[name]["token_gaps_s"]
         section["variants"][name] = {
             "calls": len(rows),
-            "ttft_p50_s": _percentile([r["ttft_s"] for r in rows], 50),
-            "ttft_p90_s": _percentile([r["ttft_s"] for r in rows], 90),
-            "itl_p50_s": _percentile(gaps, 50),
-            "itl_p90_s": _percentile(gaps, 90),
-            "itl_p99_s": _percentile(gaps, 99),
+            "ttft_p50_s": percentile([r["ttft_s"] for r in rows], 50),
+            "ttft_p90_s": percentile([r["ttft_s"] for r in rows], 90),
+            "itl_p50_s": percentile(gaps, 50),
+            "itl_p90_s": percentile(gaps, 90),
+            "itl_p99_s": percentile(gaps, 99),
             "computed_tokens": sum(r["computed_tokens"] for r in rows),
             "outputs_as_recorded": all(r["output_matches_recording"] for r in rows),
         }
@@ -207,10 +207,6 @@ def probe_transport(block_bytes: int, transport: str, num_blocks: int = 64) -> f
 
 def _at_least(ratio: float | None) -> bool | None:
     return None if ratio is None else ratio >= MIN_TRANSFER_RATIO
-
-
-def _percentile(values, q: float) -> float | None:
-    return round(float(np.percentile(values, q)), 5) if len(values) else None
 
 
 def format_pd_section(section: dict) -> str:

@@ -71,8 +71,8 @@ def routing_figures(rows: list[dict], routing_stats: dict | None = None) -> dict
         "prompt_tokens": sum(row["prompt_tokens"] for row in rows),
         "cached_tokens": sum(row["cached_tokens"] for row in rows),
         "computed_tokens": sum(row["computed_tokens"] for row in rows),
-        "ttft_p50_s": _percentile(ttfts, 50),
-        "ttft_p90_s": _percentile(ttfts, 90),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
         "retries": sum(row.get("retries", 0) for row in rows),
         "error_codes": dict(sorted(codes.items())),
     }
@@ -156,5 +156,5 @@ def _ratio(a: float, b: float) -> float | None:
     return round(a / b, 4) if b else None
 
 
-def _percentile(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     return round(float(np.percentile(values, q)), 4) if values else None
