@@ -7,7 +7,8 @@ import torch
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.kv.block_codec import encode_block
-from once.engine.kv.transfer import PeerSet, TransferStore, open_peer
+from once.engine.kv.transfer import TransferStore
+from once.engine.kv.transfer_peers import PeerSet, open_peer
 from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import InvalidRequestError
 from tests.engine.test_engine_parity import assert_logits_match, capture_logits, prompts
@@ -124,3 +125,41 @@ def test_a_torn_or_corrupt_block_in_the_store_is_a_miss(tmp_path):
     assert not decode_block(peers.get(5), fingerprint, 5, torch.empty_like(k), torch.empty_like(v))
     store.close()
     assert not store.folder.exists()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_the_prefill_engine_holds_blocks_until_the_decode_side_releases_them(
+    tiny_model_dir, transport
+):
+    # A store of 10 blocks: the next prompt's blocks would push PROMPT's out, were they not
+    # held for the decode side.
+    prefill = engine(tiny_model_dir, role="prefill", kv_transfer=transport, kv_transfer_blocks=10)
+    params = run(prefill, "p", PROMPT)[-1].kv_transfer_params
+    assert params["remote_request_id"] == "p"
+    run(prefill, "other", prompts(8, [39])[0])
+    stats = prefill.stats()
+    assert stats["kv_transfer_holds"] == 2 and stats["kv_transfer_held_blocks"] == 20
+    decode = engine(tiny_model_dir, role="decode")
+    assert run(decode, "d", PROMPT, kv_transfer_params=params)[-1].metrics.num_cached_tokens == 38
+    decode.connector.flush(loads=True)  # the release went out on the loader thread
+    store = prefill.connector.transfer
+    store.collect_releases()  # what the next write does
+    assert (store.num_holds, store.num_released) == (1, 1)
+    for each in (prefill, decode):
+        each.close()
+
+
+def test_a_hold_nobody_releases_ends_after_hold_s(tmp_path, monkeypatch):
+    store = TransferStore(2, root=str(tmp_path), hold_s=60.0)
+    clock = [1000.0]
+    monkeypatch.setattr("once.engine.kv.transfer.time.monotonic", lambda: clock[0])
+    for block_hash in (1, 2):
+        store.put(block_hash, b"x")
+    store.hold("r", [1, 2, 3])  # 3 was never stored: nothing to hold
+    assert store.num_held_blocks == 2
+    store.put(4, b"x")  # over capacity, but 1 and 2 are held
+    assert 1 in store and 2 in store and len(store) == 3
+    clock[0] += 61
+    store.put(5, b"x")
+    assert store.num_expired == 1 and len(store) == 2 and 1 not in store
+    store.close()

@@ -2,6 +2,7 @@
 TTFT against work) and its prefill queue (drained first come, first served at that speed,
 so a request sent a while ago no longer counts whole)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -150,3 +151,16 @@ def test_once_keeps_a_request_on_the_fast_replica_whose_queue_is_nearly_done(clo
     fast.live_estimates = False
     fast.in_flight["big"].num_prefill_left = 8000  # counted whole: (8,000 + 2,000) / 10k
     assert choice() == "slow"
+
+
+def test_a_decode_leg_with_transferred_kv_queues_one_token_and_teaches_no_speed(clock):
+    replica = Replica("r", ScriptedEngine(), index=0, prefill_tokens_per_s=1000.0)
+    prompt = list(range(1, 4001))
+    request = make_request("d", prompt, forced=[1])
+    request = dataclasses.replace(request, kv_transfer_params={"do_remote_prefill": True})
+    replica.on_dispatch(request, ())
+    assert replica.num_queued_prefill_tokens() == 1  # its prompt's KV comes from elsewhere
+    clock.now += 3.0  # waiting for the transfer: not a sign of a slow replica
+    assert replica.prefill_tokens_per_s(clock.now) == pytest.approx(1000)
+    replica.on_delta("d", 1)
+    assert replica.prefill_meter.tokens_per_s == pytest.approx(1000)  # the prior, untaught

@@ -19,7 +19,7 @@ from once.engine.kv.block_codec import decode_block
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
-from once.engine.kv.pd_role import admit_for_role, finish_prefill
+from once.engine.kv.pd_role import admit_for_role, finish_prefill, transfer_source
 from once.engine.kv.session_pauses import SessionPauses
 from once.engine.kv.tiered_connector import TieredConnector
 from once.engine.kv.transfer import TransferStore
@@ -229,6 +229,8 @@ class LLMEngine:
         state.kv_remote_tail = self.config.role == "decode" and bool(
             params.get("do_remote_prefill")
         )
+        if state.kv_remote_tail:
+            state.kv_transfer_source = transfer_source(request)
         constraint = request.sampling.constraint
         if constraint is not None and request.forced_output_ids is None:
             state.grammar = self.grammars.matcher(constraint)
@@ -297,6 +299,9 @@ class LLMEngine:
             self._save_new_blocks()
             if self.config.role == "prefill":
                 self._save_prompt_tails(out.scheduled)
+        if self.config.role == "decode":
+            for item in out.scheduled:
+                self._release_transfer(item.request)  # admitted: its loads are over
         update = self.scheduler.update_from_output(out, requests, committed)
         self._record(update)
         deltas += self._deltas(update, logprobs)
@@ -431,20 +436,37 @@ class LLMEngine:
         delta.metrics = request.finalize_metrics()
         if self.config.role == "prefill" and request.finish_reason in (FINISH_STOP, FINISH_LENGTH):
             num_blocks = request.num_prompt_tokens // self.pool.block_size
+            tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
+                                    self.pool.block_size, request.cache_salt)  # fmt: skip
             delta.kv_transfer_params = finish_prefill(
-                request.block_hashes[:num_blocks], self._tiers(), self._read_block,
+                request.request_id, request.block_hashes[:num_blocks],
+                None if tail is None else tail[0], self._tiers(), self._read_block,
                 self.pool.block_size,
             )  # fmt: skip
+        self._release_transfer(request)  # aborted or failed before its admission
         if request.finish_reason != FINISH_ABORT:
             self.counters["num_requests_finished"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens
         self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
         return delta
 
+    def _release_transfer(self, request: Request) -> None:
+        source = request.kv_transfer_source
+        if source is not None:
+            request.kv_transfer_source = None
+            self._tiers().release_transfer(*source)
+
     def _transfer_stats(self) -> dict:
         transfer = getattr(self.connector, "transfer", None)
         if isinstance(transfer, TransferStore):
-            return {"kv_transfer_address": transfer.address, "kv_transfer_blocks": len(transfer)}
+            return {
+                "kv_transfer_address": transfer.address,
+                "kv_transfer_blocks": len(transfer),
+                "kv_transfer_held_blocks": transfer.num_held_blocks,
+                "kv_transfer_holds": transfer.num_holds,
+                "kv_transfer_released": transfer.num_released,
+                "kv_transfer_expired": transfer.num_expired,
+            }
         return {}
 
     def _tiers(self) -> TieredConnector:

@@ -63,6 +63,8 @@ class Request:
         # Disaggregated decode: the prompt's partial last block may come from the prefill
         # engine too (kv/pd_role.py), so only its last token is computed here.
         self.kv_remote_tail = False
+        # (address, request id) of the prefill engine holding its blocks until released.
+        self.kv_transfer_source: tuple[str, str] | None = None
         self.num_emitted_tokens = 0
 
     @property

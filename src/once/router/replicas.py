@@ -103,6 +103,9 @@ class InFlight:
     sent_at: float
     first_delta_at: float | None = None
     num_output_tokens: int = 0
+    # False for a decode leg whose prompt KV comes from a prefill replica: its first token
+    # waits for a transfer, not for prefill, so it says nothing of the replica's speed.
+    learns_speed: bool = True
 
 
 # What a policy charges to bring one block up from a KV tier (exact index only): a host
@@ -194,7 +197,7 @@ class Replica:
         overhead = self.prefill_meter.overhead_s
         for flight in self.in_flight.values():
             waited = now - flight.sent_at - overhead
-            if flight.first_delta_at is None and waited > 0:
+            if flight.first_delta_at is None and waited > 0 and flight.learns_speed:
                 speed = min(speed, (flight.num_queued_ahead + flight.num_prefill_tokens) / waited)
         return speed
 
@@ -254,6 +257,9 @@ class Replica:
     def on_dispatch(self, request: GenerateRequest, block_hashes: tuple[int, ...]) -> None:
         num_prompt = len(request.prompt_token_ids)
         cached = self.num_cached_blocks(block_hashes, num_prompt) * self.block_size
+        transferred = bool((request.kv_transfer_params or {}).get("do_remote_prefill"))
+        if transferred:
+            cached = num_prompt - 1  # only the last prompt token is computed here
         expected_output = request.sampling.max_tokens
         if request.forced_output_ids is not None:
             expected_output = len(request.forced_output_ids)
@@ -269,6 +275,7 @@ class Replica:
             num_prompt_tokens=num_prompt,
             num_predicted_cached_tokens=cached,
             sent_at=time.monotonic(),
+            learns_speed=not transferred,
         )
         self.counters["num_routed"] += 1
         if isinstance(self.prefix_index, ApproximatePrefixIndex):
@@ -283,8 +290,9 @@ class Replica:
             flight.first_delta_at = now
             self.drain(now)
             flight.num_prefill_left = 0
-            work = flight.num_queued_ahead + flight.num_prefill_tokens
-            self.prefill_meter.add(work, now - flight.sent_at)
+            if flight.learns_speed:
+                work = flight.num_queued_ahead + flight.num_prefill_tokens
+                self.prefill_meter.add(work, now - flight.sent_at)
         flight.num_output_tokens += num_new_tokens
         flight.num_decode_tokens = max(0, flight.num_decode_tokens - num_new_tokens)
 

@@ -2,19 +2,24 @@
 
 - prefill: a request decodes one token at most (the decode engine makes the rest). When it
   finishes, every full block of its prompt is in the transfer store: those it computed went
-  there as they filled; those its own prefix cache supplied are written now. Its last delta
-  then says where they are (`kv_transfer_params`, vLLM's field), and is sent only once
-  the writes are done, so the decode engine never asks for a block still in flight.
+  there as they filled; those its own prefix cache supplied are written now. The store
+  holds them for the decode side (TransferStore.hold). Its last delta then says where they
+  are (`kv_transfer_params`, vLLM's field, with `remote_request_id` naming the hold), and
+  is sent only once the writes are done, so the decode engine never asks for a block still
+  in flight.
 - decode: a request whose `kv_transfer_params` say `do_remote_prefill` names its prefill
   engine's store; the engine adds it to its peers, and admission finds the prompt's blocks
-  there like any lower tier (one token is left to compute: the first output token's).
+  there like any lower tier (one token is left to compute: the first output token's). Once
+  the request is admitted (its blocks loaded, or given up on), the engine releases the
+  hold (`release_source`).
 - both: the params are ignored, as a colocated vLLM ignores them.
 """
 
 from dataclasses import replace
 
 from once.engine.kv.tiered_connector import TieredConnector
-from once.engine.kv.transfer import PeerSet, TransferStore
+from once.engine.kv.transfer import TransferStore
+from once.engine.kv.transfer_peers import PeerSet
 from once.protocol.engine import GenerateRequest
 from once.protocol.errors import InvalidRequestError
 
@@ -51,10 +56,25 @@ def admit_for_role(
     return request
 
 
+def transfer_source(request: GenerateRequest) -> tuple[str, str] | None:
+    """(prefill store address, request id there) of a request prefilled remotely."""
+    params = request.kv_transfer_params or {}
+    address, remote_id = params.get("remote_address"), params.get("remote_request_id")
+    if params.get("do_remote_prefill") and isinstance(address, str) and isinstance(remote_id, str):
+        return address, remote_id
+    return None
+
+
 def finish_prefill(
-    prompt_hashes: list[int], connector: TieredConnector, read_block, block_size: int
+    request_id: str,
+    prompt_hashes: list[int],
+    tail_hash: int | None,
+    connector: TieredConnector,
+    read_block,
+    block_size: int,
 ) -> dict:
-    """Make sure the store has every full prompt block; the params for the decode side."""
+    """Make sure the store has every full prompt block, hold them and the prompt's tail
+    for the decode side; the params that tell it where they are."""
     store = connector.transfer
     assert isinstance(store, TransferStore)  # role prefill
     connector.flush()  # the blocks saved as they filled are written
@@ -65,8 +85,10 @@ def finish_prefill(
             connector.save(block_hash, *blocks)
     if missing:
         connector.flush()
+    store.hold(request_id, [*prompt_hashes, *([] if tail_hash is None else [tail_hash])])
     return {
         "do_remote_prefill": True,
+        "remote_request_id": request_id,
         "remote_address": store.address,
         "remote_num_blocks": len(prompt_hashes),
         "remote_block_size": block_size,

@@ -9,7 +9,8 @@ from once.engine.kv.block_codec import layout_fingerprint
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.tiered_connector import TieredConnector
-from once.engine.kv.transfer import PeerSet, TransferStore
+from once.engine.kv.transfer import TransferStore
+from once.engine.kv.transfer_peers import PeerSet
 from once.sim.eviction import eviction_factory
 
 

@@ -35,7 +35,8 @@ from once.engine.kv.connector import KVConnector
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.shared_tier import SharedTier
-from once.engine.kv.transfer import PeerSet, TransferStore
+from once.engine.kv.transfer import TransferStore
+from once.engine.kv.transfer_peers import PeerSet
 from once.protocol.kv_blocks import BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,12 @@ class TieredConnector(KVConnector):
         """A prefill engine's prompt tail: for the decode side only, not a cache block."""
         if isinstance(self.transfer, TransferStore):
             self._write_below(self.transfer, block_hash, layers_k.clone(), layers_v.clone())
+
+    def release_transfer(self, address: str, remote_request_id: str) -> None:
+        """A decode engine is done with a prefill engine's blocks of a request: tell it, on
+        the loader thread (after the loads queued before, off the step loop)."""
+        if isinstance(self.transfer, PeerSet):
+            self._loader.submit(self.transfer.release, address, remote_request_id)
 
     def evicted(self, block_hash: int, layers_k, layers_v) -> None:
         # Write-back: a block leaves the device pool with its K/V still intact.
@@ -238,9 +245,11 @@ class TieredConnector(KVConnector):
             stats[f"kv_tier_{remote.name}_errors"] = remote.num_errors
         return stats
 
-    def flush(self) -> None:
-        """Wait for every write queued so far (tests, shutdown)."""
+    def flush(self, loads: bool = False) -> None:
+        """Wait for every write queued so far and, with `loads`, every load and release."""
         self._writer.submit(lambda: None).result()
+        if loads:
+            self._loader.submit(lambda: None).result()
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

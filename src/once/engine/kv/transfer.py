@@ -17,39 +17,58 @@ the batch with its prompt cached. A peer that is gone, a block evicted meanwhile
 corrupt block: the run ends there and the decode engine computes the rest. The decode
 engine asks only for what its own prefix cache lacks (lookups start past its match).
 
-Both transports have SharedTier's interface (`put`, `get`, `discard`, `num_errors`):
+The peers are in kv/transfer_peers.py. Both transports have SharedTier's interface (`put`,
+`get`, `discard`, `num_errors`):
 - shm, for one host: one file per block in a folder on /dev/shm (tmpfs, i.e. shared
   memory). The reader maps the file copy-on-write and decodes straight from the mapping,
   so the bytes are copied once, into the staging block. Files are written under a
   temporary name and renamed, so a reader never sees half a block.
 - tcp, across hosts: the store is served on a TCP port; one round trip per block.
 
-A store is bounded (`capacity_blocks`, oldest write out first): a prefill engine keeps a
-block until it is that far behind, long after a decode side in step has fetched it.
+A store is bounded (`capacity_blocks`, oldest write out first), and a finished prefill
+holds its blocks (`hold`) until the decode side says it has them (`release`, by the
+request id the params carry) or `hold_s` passes, as vLLM's NIXL connector keeps a prefill's
+blocks until the decode instance has read them or a timeout ends the wait. A held block is
+never evicted and does not count against the capacity. The decode
+side releases through its peer: over shm it drops an empty file named for the request into
+the store's `released/` folder, which the store reads on its next write; over TCP it sends
+the request's key.
 """
 
+import hashlib
 import logging
-import mmap
 import os
 import shutil
-import socket
 import socketserver
 import struct
 import tempfile
 import threading
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("shm", "tcp")
-_HASH = struct.Struct("<Q")
-_LENGTH = struct.Struct("<Q")
-_GET = b"G"
+BLOCK_HASH = struct.Struct("<Q")
+REPLY_LENGTH = struct.Struct("<Q")
+OP_GET = b"G"
+OP_RELEASE = b"R"  # + a hold key (HOLD_KEY_CHARS ASCII)
+RELEASED = "released"  # the shm store's folder of release notes
+# How long a prefill engine keeps a finished request's blocks for a decode side that never
+# says it has them (gone, or the request aborted there): chosen; a decode side in step
+# releases within its load, milliseconds to seconds.
+DEFAULT_HOLD_S = 120.0
+HOLD_KEY_CHARS = 32
 
 
-def _name(block_hash: int) -> str:
+def block_file_name(block_hash: int) -> str:
     return f"{block_hash & (2**64 - 1):016x}"
+
+
+def hold_key(request_id: str) -> str:
+    """A request id as a fixed-length file name: ids are client-chosen strings."""
+    return hashlib.blake2b(request_id.encode(), digest_size=HOLD_KEY_CHARS // 2).hexdigest()
 
 
 class TransferStore:
@@ -57,15 +76,23 @@ class TransferStore:
 
     name = "transfer"
 
-    def __init__(self, capacity_blocks: int, root: str | None = None):
-        if capacity_blocks < 1:
-            raise ValueError("capacity_blocks must be >= 1")
+    def __init__(
+        self, capacity_blocks: int, root: str | None = None, hold_s: float = DEFAULT_HOLD_S
+    ):
+        if capacity_blocks < 1 or not hold_s > 0:
+            raise ValueError("capacity_blocks must be >= 1 and hold_s > 0")
         base = root or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.folder = Path(tempfile.mkdtemp(prefix="once-kv-", dir=base))
+        (self.folder / RELEASED).mkdir()
         self.capacity_blocks = capacity_blocks
+        self.hold_s = hold_s
         self.num_errors = 0
         self.num_evictions = 0
+        self.num_released = 0  # holds the decode side ended
+        self.num_expired = 0  # holds that ran out first
         self._names: OrderedDict[str, int] = OrderedDict()  # file name -> bytes
+        self._held: Counter[str] = Counter()  # file name -> holds on it
+        self._holds: OrderedDict[str, tuple[list[str], float]] = OrderedDict()  # by deadline
         self._lock = threading.Lock()
         self._server: _TcpServer | None = None
 
@@ -78,7 +105,7 @@ class TransferStore:
         return f"shm:{self.folder}"
 
     def put(self, block_hash: int, data: bytes) -> bool:
-        name = _name(block_hash)
+        name = block_file_name(block_hash)
         temporary = self.folder / f".{name}.{threading.get_ident()}"
         try:
             temporary.write_bytes(data)
@@ -87,33 +114,94 @@ class TransferStore:
             self.num_errors += 1
             logger.warning("KV transfer store: write failed: %s", exc)
             return False
+        self.collect_releases()
         with self._lock:
             self._names[name] = len(data)
             self._names.move_to_end(name)
             victims = []
-            while len(self._names) > self.capacity_blocks:
-                victims.append(self._names.popitem(last=False)[0])
+            # Held blocks do not count against the capacity: the oldest unheld go first,
+            # a held one moves to the back on the way (it is in use).
+            while len(self._names) - len(self._held) > self.capacity_blocks:
+                oldest = next(iter(self._names))
+                if self._held[oldest]:
+                    self._names.move_to_end(oldest)
+                    continue
+                del self._names[oldest]
+                victims.append(oldest)
                 self.num_evictions += 1
         for victim in victims:
             (self.folder / victim).unlink(missing_ok=True)
         return True
 
+    def hold(self, request_id: str, block_hashes: list[int]) -> None:
+        """Keep `block_hashes` (those stored) until `release(request_id)` or `hold_s`."""
+        key = hold_key(request_id)
+        with self._lock:
+            self._end_hold(key)
+            names = [name for name in map(block_file_name, block_hashes) if name in self._names]
+            self._held.update(names)
+            self._holds[key] = (names, time.monotonic() + self.hold_s)
+
+    def release(self, request_id: str) -> None:
+        self.release_key(hold_key(request_id))
+
+    def release_key(self, key: str) -> None:
+        with self._lock:
+            if self._end_hold(key):
+                self.num_released += 1
+
+    def _end_hold(self, key: str) -> bool:
+        # Under the lock.
+        entry = self._holds.pop(key, None)
+        if entry is None:
+            return False
+        self._held.subtract(entry[0])
+        self._held += Counter()  # drop the zero counts
+        return True
+
+    def collect_releases(self) -> None:
+        """Read the decode sides' release notes (shm) and end the holds that ran out."""
+        try:
+            notes = os.listdir(self.folder / RELEASED)
+        except OSError:
+            notes = []
+        for note in notes:
+            self.release_key(note)
+            (self.folder / RELEASED / note).unlink(missing_ok=True)
+        now = time.monotonic()
+        with self._lock:
+            while self._holds:
+                key, (_, deadline) = next(iter(self._holds.items()))
+                if deadline > now:
+                    break
+                self._end_hold(key)
+                self.num_expired += 1
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)
+
+    @property
+    def num_holds(self) -> int:
+        return len(self._holds)
+
     def get(self, block_hash: int) -> bytes | None:
         try:
-            return (self.folder / _name(block_hash)).read_bytes()
+            return (self.folder / block_file_name(block_hash)).read_bytes()
         except OSError:
             return None
 
     def discard(self, block_hash: int) -> None:
         with self._lock:
-            self._names.pop(_name(block_hash), None)
-        (self.folder / _name(block_hash)).unlink(missing_ok=True)
+            self._names.pop(block_file_name(block_hash), None)
+            self._held.pop(block_file_name(block_hash), None)
+        (self.folder / block_file_name(block_hash)).unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._names)
 
     def __contains__(self, block_hash: int) -> bool:
-        return _name(block_hash) in self._names
+        return block_file_name(block_hash) in self._names
 
     def serve_tcp(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve this store on a TCP port (0: any free one); returns the address."""
@@ -137,142 +225,24 @@ class _TcpServer(socketserver.ThreadingTCPServer):
 
 
 class _BlockRequestHandler(socketserver.StreamRequestHandler):
-    # Requests: b"G" + block hash (u64). Reply: length (u64; 0 = missing) + the block.
+    # Requests: b"G" + block hash (u64), replied with length (u64; 0 = missing) + the
+    # block; b"R" + a hold key, replied with length 0.
     def handle(self) -> None:
         store = self.server.store  # type: ignore[attr-defined]
         while True:
-            request = self.rfile.read(1 + _HASH.size)
-            if len(request) < 1 + _HASH.size or request[:1] != _GET:
+            op = self.rfile.read(1)
+            if op == OP_GET:
+                request = self.rfile.read(BLOCK_HASH.size)
+                if len(request) < BLOCK_HASH.size:
+                    return
+                data = store.get(BLOCK_HASH.unpack(request)[0]) or b""
+            elif op == OP_RELEASE:
+                key = self.rfile.read(HOLD_KEY_CHARS)
+                if len(key) < HOLD_KEY_CHARS:
+                    return
+                store.release_key(key.decode("ascii", "replace"))
+                data = b""
+            else:
                 return
-            data = store.get(_HASH.unpack_from(request, 1)[0]) or b""
-            self.wfile.write(_LENGTH.pack(len(data)) + data)
+            self.wfile.write(REPLY_LENGTH.pack(len(data)) + data)
             self.wfile.flush()
-
-
-class ShmPeer:
-    """A decode engine's reader of a prefill engine's tmpfs folder on the same host."""
-
-    def __init__(self, folder: str):
-        self.folder = Path(folder)
-        self.num_errors = 0
-
-    def get(self, block_hash: int):
-        try:
-            with open(self.folder / _name(block_hash), "rb") as file:
-                # Copy-on-write: writable for torch.frombuffer, nothing copied until written.
-                return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-        except (OSError, ValueError):  # missing, or empty (ValueError from mmap)
-            return None
-
-    def close(self) -> None:
-        return None
-
-
-class TcpPeer:
-    """A decode engine's client of a prefill engine's served store: one connection,
-    reopened after any failure; every failure is a miss."""
-
-    def __init__(self, host: str, port: int, timeout_s: float = 2.0):
-        self.host, self.port, self.timeout_s = host, port, timeout_s
-        self.num_errors = 0
-        self._socket: socket.socket | None = None
-        self._lock = threading.Lock()
-
-    def get(self, block_hash: int) -> bytearray | None:
-        with self._lock:
-            try:
-                if self._socket is None:
-                    self._socket = socket.create_connection((self.host, self.port),
-                                                            self.timeout_s)  # fmt: skip
-                    self._socket.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self._socket.sendall(_GET + _HASH.pack(block_hash & (2**64 - 1)))
-                (length,) = _LENGTH.unpack(self._read(_LENGTH.size))
-                return self._read(length) if length else None
-            except OSError as exc:
-                self.num_errors += 1
-                logger.warning("KV transfer peer %s:%d: %s", self.host, self.port, exc)
-                self.close()
-                return None
-
-    def _read(self, num_bytes: int) -> bytearray:
-        assert self._socket is not None
-        buffer = bytearray(num_bytes)
-        view, received = memoryview(buffer), 0
-        while received < num_bytes:
-            count = self._socket.recv_into(view[received:])
-            if count == 0:
-                raise ConnectionError("the prefill engine closed the connection")
-            received += count
-        return buffer  # writable: decoded in place
-
-    def close(self) -> None:
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
-
-
-def open_peer(address: str) -> ShmPeer | TcpPeer:
-    """A reader for a store's `address`: "shm:/dev/shm/once-kv-..." or "tcp://host:port"."""
-    if address.startswith("shm:"):
-        folder = address[len("shm:") :]
-        if not os.path.isdir(folder):
-            raise ValueError(f"no KV transfer folder at {folder!r}")
-        return ShmPeer(folder)
-    if address.startswith("tcp://"):
-        host, _, port = address[len("tcp://") :].rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"bad KV transfer address {address!r}: want tcp://host:port")
-        return TcpPeer(host, int(port))
-    raise ValueError(f"bad KV transfer address {address!r}: want shm:<folder> or tcp://host:port")
-
-
-class PeerSet:
-    """The prefill engines a decode engine has heard of (from requests or its flags),
-    most recent first; a block is looked for in each until one has it."""
-
-    name = "transfer"
-
-    def __init__(self, max_peers: int = 16):
-        self.max_peers = max_peers
-        self._peers: OrderedDict[str, ShmPeer | TcpPeer] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, address: str) -> None:
-        with self._lock:
-            if address in self._peers:
-                self._peers.move_to_end(address, last=False)
-                return
-        peer = open_peer(address)  # raises ValueError for a bad address
-        with self._lock:
-            self._peers[address] = peer
-            self._peers.move_to_end(address, last=False)
-            while len(self._peers) > self.max_peers:
-                self._peers.popitem()[1].close()
-
-    def __bool__(self) -> bool:
-        return bool(self._peers)
-
-    @property
-    def num_errors(self) -> int:
-        return sum(peer.num_errors for peer in list(self._peers.values()))
-
-    def get(self, block_hash: int):
-        with self._lock:
-            peers = list(self._peers.values())
-        for peer in peers:
-            data = peer.get(block_hash)
-            if data is not None:
-                return data
-        return None
-
-    def put(self, block_hash: int, data: bytes) -> bool:
-        return False  # a decode engine reads from its peers, never writes to them
-
-    def discard(self, block_hash: int) -> None:
-        return None  # a corrupt block is the prefill side's to replace
-
-    def close(self) -> None:
-        with self._lock:
-            for peer in self._peers.values():
-                peer.close()
-            self._peers.clear()
