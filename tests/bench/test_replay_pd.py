@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from once.bench.replay import cli
-from once.bench.replay.pd import COLOCATED, DISAGGREGATED, parse_pd
+from once.bench.replay.pd import COLOCATED, DISAGGREGATED, SHARED_KV, parse_pd
 from tests.bench.test_replay_report import _args, _session
 
 
@@ -31,6 +31,7 @@ def test_split_calls_are_decoded_from_the_prefill_engines_kv(pd_report):
     # The decode engine did not compute what came over: the split stack computed less.
     assert split["computed_tokens"] < colocated["computed_tokens"]
     assert split["itl_p50_s"] is not None and colocated["itl_p99_s"] is not None
+    assert "shared_kv" not in section  # only with --pd-shared-kv
 
 
 def test_bad_pd_flags_are_refused():
@@ -38,3 +39,18 @@ def test_bad_pd_flags_are_refused():
     assert cli.main(["--pd", "0:1"]) == 2
     assert cli.main(["--pd", "1:1", "--replicas", "2"]) == 2
     assert parse_pd("2:3") == (2, 3)
+
+
+def test_with_a_shared_kv_tier_every_engine_writes_there_and_outputs_hold():
+    sessions = [("folder-a", _session("a"))]
+    args = _args(pd="1:1", pd_min_uncached_tokens=64, pd_transport="tcp", pd_shared_kv=True)
+    section = asyncio.run(cli.run_replay(sessions, args))["pd"]
+    assert set(section["variants"]) == {COLOCATED, DISAGGREGATED, SHARED_KV}
+    assert section["outputs_identical"]
+    shared = section["shared_kv"]
+    assert shared["num_split_calls"] >= 1 and shared["max_decode_computed_tokens_of_split"] <= 1
+    # Every engine writes the blocks it fills to the shared tier. (Whether a given block
+    # reached Redis before the next call asked for it is a race, so its hits are not
+    # asserted.)
+    assert shared["shared_saved_blocks"] > 0 and shared["prefill_computed_tokens"] > 0
+    assert "shared_saved_blocks" not in section  # once/pd has no shared tier

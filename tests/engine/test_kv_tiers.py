@@ -197,7 +197,7 @@ def test_corrupt_or_missing_disk_blocks_are_recomputed(
 def redis_url(tmp_path):
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not on PATH (apt-get install redis-server)")
-    from once.bench.reliability.fault_redis import RedisServer
+    from once.bench.local_redis import RedisServer
 
     server = RedisServer(tmp_path)
     asyncio.run(server.start())

@@ -17,20 +17,14 @@ the gateway goes on; Redis comes back on the same port and file. What must hold:
   not stored; nothing hangs, and what was stored is there once Redis thaws.
 """
 
-import asyncio
-import contextlib
-import shutil
-import signal
-import subprocess
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import openai
-import redis.asyncio as aioredis
 
 from once.agent.transport.websocket import WebSocketTransport
+from once.bench.local_redis import redis_server
 from once.bench.reliability.fault_kit import (
     FaultContext,
     FaultResult,
@@ -39,7 +33,6 @@ from once.bench.reliability.fault_kit import (
     stream_response,
     user,
 )
-from once.bench.replay.replicas import free_port
 from once.engine.scripted import ScriptedEngine
 from once.gateway.config import GatewayConfig
 from once.gateway.responses_events import STORE_ERROR_FIELD
@@ -47,66 +40,7 @@ from once.gateway.testing import DEFAULT_MODEL, serve_gateway
 
 API_KEY = "sk-faults"
 REQUEST_TIMEOUT_S = 30.0  # hang guard of every request
-REDIS_START_TIMEOUT_S = 10.0
 REDIS_TIMEOUT_S = 0.5  # the gateway's per-call bound, for the frozen Redis
-
-
-class RedisServer:
-    """A redis-server of our own: loopback, a free port, durable writes in `folder`."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    async def start(self) -> None:
-        command = [
-            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.folder), "--save", "",
-            "--appendonly", "yes", "--appendfsync", "always",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        client = aioredis.from_url(self.url)
-        deadline = time.monotonic() + REDIS_START_TIMEOUT_S
-        try:
-            while True:
-                with contextlib.suppress(aioredis.ConnectionError):
-                    await client.ping()
-                    return
-                if time.monotonic() > deadline or self.process.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}")
-                await asyncio.sleep(0.05)
-        finally:
-            await client.aclose()
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGCONT)  # a frozen one would not die either
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-    def freeze(self, frozen: bool = True) -> None:
-        """SIGSTOP: the server keeps its sockets but answers nothing (a hung Redis)."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
-
-
-@contextlib.asynccontextmanager
-async def redis_server(folder: Path) -> AsyncIterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not on PATH (apt-get install redis-server)")
-    server = RedisServer(folder)
-    try:
-        await server.start()
-        yield server
-    finally:
-        server.kill()
 
 
 def _keys_file(folder: Path) -> Path:

@@ -227,9 +227,11 @@ async def run_replay(sessions, args) -> dict:
         counters, traffic, routing_stats, pd_observed = {}, {}, {}, {}
         runs = stack_runs(args) + pressure_runs(args, str(Path(tmp) / "kv-disk"))
         pd = parse_pd(getattr(args, "pd", None))
+        pd_stacks: list[StackRun] = []
         if pd is not None:
             threads = getattr(args, "replica_threads", None) or default_replica_threads(sum(pd))
-            runs += pd_runs(args, threads)
+            pd_stacks = pd_runs(args, threads)
+            runs += pd_stacks
         with progress_bars(not getattr(args, "no_progress", True)) as progress:
             for run in runs:
                 name = run.spec.name
@@ -249,7 +251,7 @@ async def run_replay(sessions, args) -> dict:
                     counters[name] = await stack.counters()
                     if stack.fleet is not None:
                         routing_stats[name] = await stack.fleet.routing_stats()
-                    if pd is not None and run in runs[-2:]:
+                    if run in pd_stacks:
                         pd_observed[name] = await pd_observations(stack)
                     block_size = stack.block_size
     report = build_report(plans, records, counters, block_size, args)

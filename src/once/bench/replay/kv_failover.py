@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from once.bench.reliability.fault_redis import RedisServer
+from once.bench.local_redis import RedisServer
 from once.bench.replay.plan import plan_session
 from once.bench.replay.reference import common_prefix_length
 from once.bench.replay.replicas import start_replicas

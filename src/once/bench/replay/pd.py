@@ -7,15 +7,20 @@ beside the same stack colocated over P + D engines, in the same run.
                      TTFT budget of 1 s (sessions run one at a time here, so a decode
                      replica is rarely busy and the tiny model's prefills are short: the
                      replay exercises the path on every long call rather than choosing)
+    once/pd+shared-kv  with `--pd-shared-kv`: once/pd with a shared KV tier (a Redis of the
+                     run's own) under every engine, so a prefill engine loads the session
+                     prefix a decode engine computed instead of recomputing it (the split
+                     rule counts that prefix as fetched: `prefix_from_decode`)
 
 The `pd` section gives, per variant, client TTFT and the inter-token latency the gateway
 saw (ForcedOutputEngine.token_gaps_s) as percentiles, and for once/pd: the router's split
 decisions, what the decode engines loaded from the prefill engines (blocks, bytes, time),
 the largest prompt part a decode engine computed for a split request (the bar: <= 1
-token), and the transfer's throughput against the rate at which the prefill engines made
-KV (prefill tokens per second of their step time, times the KV bytes per token; the bar:
->= 10x). The throughput is given twice: in the run (the decode engines' loader time, which
-shares two cores with both engines and the gateway), and by a probe of the transport alone
+token), what the prefill engines computed (their prefix misses included), and the
+transfer's throughput against the rate at which the prefill engines made KV (prefill
+tokens per second of their step time, times the KV bytes per token; the bar: >= 10x).
+The throughput is given twice: in the run (the decode engines' loader time, which shares
+two cores with both engines and the gateway), and by a probe of the transport alone
 right after it (blocks of the run's size written to a store and read back through a peer,
 checked and copied into tensors as the engine does; median of 3 rounds). Outputs are the
 recorded ones forced, so "identical outputs" means every call of both variants ran to its
@@ -44,6 +49,7 @@ from once.router.pd_split import SplitPolicy
 
 COLOCATED = "once/colocated"
 DISAGGREGATED = "once/pd"
+SHARED_KV = "once/pd+shared-kv"
 MIN_TRANSFER_RATIO = 10.0  # the bar: transfer throughput / KV production rate
 
 
@@ -56,6 +62,10 @@ def add_pd_arguments(parser) -> None:
     group.add_argument("--pd-min-uncached-tokens", type=int, default=256,
                        help="split prompts with at least this many uncached tokens")  # fmt: skip
     group.add_argument("--pd-transport", choices=("shm", "tcp"), default="shm")
+    group.add_argument("--pd-shared-kv", action="store_true",
+                       help=f"also {SHARED_KV}: {DISAGGREGATED} with a shared KV tier (Redis) "
+                       "under every engine, where a prefill engine finds the prefix a decode "
+                       "engine computed")  # fmt: skip
 
 
 def parse_pd(text: str | None) -> tuple[int, int] | None:
@@ -90,10 +100,15 @@ def pd_runs(args, threads: int) -> list[StackRun]:
         min_uncached_tokens=args.pd_min_uncached_tokens, min_decoding=0, ttft_budget_s=1.0
     )
     pd_options = {**fleet, "pd": pd, "pd_split": split, "pd_transport": args.pd_transport}
-    return [
+    runs = [
         StackRun(replace(ONCE, name=COLOCATED), fleet),
         StackRun(replace(ONCE, name=DISAGGREGATED), pd_options),
     ]
+    if getattr(args, "pd_shared_kv", False):
+        shared_split = replace(split, prefix_from_decode=True)
+        shared_options = {**pd_options, "pd_split": shared_split, "pd_shared_kv": True}
+        runs.append(StackRun(replace(ONCE, name=SHARED_KV), shared_options))
+    return runs
 
 
 async def pd_observations(stack) -> dict:
@@ -117,7 +132,8 @@ async def pd_observations(stack) -> dict:
 
 def pd_section(records: dict, observed: dict, pd_text: str, transport: str) -> dict:
     section: dict = {"pd": pd_text, "transport": transport, "variants": {}}
-    for name in (COLOCATED, DISAGGREGATED):
+    names = [name for name in (COLOCATED, DISAGGREGATED, SHARED_KV) if name in observed]
+    for name in names:
         rows = [row for rows in records[name].values() for row in rows]
         gaps = observed[name]["token_gaps_s"]
         section["variants"][name] = {
@@ -133,17 +149,20 @@ def pd_section(records: dict, observed: dict, pd_text: str, transport: str) -> d
     section["outputs_identical"] = all(
         v["outputs_as_recorded"] for v in section["variants"].values()
     )
-    split = observed[DISAGGREGATED]
-    section["router"] = split["router_pd"]
-    computed = split["split_computed_tokens"]
-    section["num_split_calls"] = len(computed)
-    section["max_decode_computed_tokens_of_split"] = max(computed) if computed else None
-    section.update(_transfer_figures(split["engines"]))
+    section.update(_split_figures(observed[DISAGGREGATED]))
+    computed = observed[DISAGGREGATED]["split_computed_tokens"]
     if section.get("kv_bytes_per_token"):
         block_bytes = int(section["kv_bytes_per_token"] * section["block_size"])
         probe = probe_transport(block_bytes, transport)
         section["probe_gb_per_s"] = probe
         section["probe_vs_kv_rate"] = round(probe * 1e9 / section["kv_production_bytes_per_s"], 2)
+    if SHARED_KV in observed:
+        shared = _split_figures(observed[SHARED_KV])
+        shared["prefill_computed_vs_without"] = round(
+            shared["prefill_computed_tokens"] / max(1, section["prefill_computed_tokens"]), 3
+        )
+        section["shared_kv"] = shared
+        computed = computed + observed[SHARED_KV]["split_computed_tokens"]
     section["bar"] = {
         "decode_computes_at_most_one_token": bool(computed) and max(computed) <= 1,
         "transfer_at_least_10x_kv_rate": _at_least(section.get("transfer_vs_kv_rate")),
@@ -151,6 +170,17 @@ def pd_section(records: dict, observed: dict, pd_text: str, transport: str) -> d
         "outputs_identical": section["outputs_identical"],
     }
     return section
+
+
+def _split_figures(observed: dict) -> dict:
+    """A disaggregated variant's split calls and what its engines moved and computed."""
+    computed = observed["split_computed_tokens"]
+    return {
+        "router": observed["router_pd"],
+        "num_split_calls": len(computed),
+        "max_decode_computed_tokens_of_split": max(computed) if computed else None,
+        **_transfer_figures(observed["engines"]),
+    }
 
 
 def _transfer_figures(engines: dict) -> dict:
@@ -169,7 +199,19 @@ def _transfer_figures(engines: dict) -> dict:
         "transfer_time_s": round(load_s, 4),
         "transfer_gb_per_s": round(loaded / load_s / 1e9, 3) if load_s else None,
         "prefill_tokens_per_s": round(computed / step_s, 1) if step_s else None,
+        # What the prefill engines computed, their prefix misses included: the decode
+        # side's uncached prompt (router.num_uncached_split_tokens) is the least it can be.
+        "prefill_computed_tokens": int(computed),
     }
+    if any("kv_tier_shared_errors" in stats for stats in engines.values()):  # --pd-shared-kv
+        # Blocks every engine wrote to the shared tier, and the prefix blocks the prefill
+        # engines loaded from it instead of recomputing them.
+        figures["shared_saved_blocks"] = int(
+            sum(s.get("kv_tier_shared_saved_blocks", 0) for s in engines.values())
+        )
+        figures["prefill_shared_hit_blocks"] = int(
+            sum(s.get("kv_tier_shared_hit_blocks", 0) for s in prefill)
+        )
     if blocks and block_size and step_s and load_s:
         bytes_per_token = loaded / blocks / block_size
         kv_rate = computed / step_s * bytes_per_token
@@ -227,4 +269,12 @@ def format_pd_section(section: dict) -> str:
         f"identical: {section['outputs_identical']}; "
         f"bar {section['bar']}"
     )
+    shared = section.get("shared_kv")
+    if shared:
+        lines.append(
+            f"  with a shared KV tier: the prefill engines computed "
+            f"{shared['prefill_computed_tokens']} prompt tokens "
+            f"({shared['prefill_computed_vs_without']}x without), loading "
+            f"{shared['prefill_shared_hit_blocks']} prefix blocks from it"
+        )
     return "\n".join(lines)

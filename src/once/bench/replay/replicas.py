@@ -36,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from once.bench.local_redis import redis_server
 from once.engine.client import RemoteEngineClient
 from once.protocol.errors import OnceError
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
@@ -309,6 +310,7 @@ async def open_fleet(
     pd: tuple[int, int] | None = None,
     pd_split: SplitPolicy | None = None,
     pd_transport: str = "shm",
+    pd_shared_kv: bool = False,
 ) -> AsyncIterator[Fleet]:
     """`count` replicas (the last `num_slow` of them slow) behind a `Router(policy)`.
 
@@ -316,7 +318,9 @@ async def open_fleet(
     router follows them into an exact prefix index; otherwise the router keeps an
     approximate one from the prompts it routed. pd = (P, D): disaggregated instead, the
     first P replicas `--role prefill` (their KV store over `pd_transport`), the other D
-    `--role decode`, and the router splits by `pd_split` (count must be P + D)."""
+    `--role decode`, and the router splits by `pd_split` (count must be P + D);
+    `pd_shared_kv` gives them all a shared KV tier (a Redis of the fleet's own), where a
+    prefill engine finds the prefix a decode engine computed instead of recomputing it."""
     if not 0 <= num_slow <= count:
         raise ValueError(f"slow replicas must be between 0 and {count}, got {num_slow}")
     slow = range(count - num_slow, count)
@@ -328,45 +332,60 @@ async def open_fleet(
         roles = ["prefill"] * pd[0] + ["decode"] * pd[1]
         flags = [["--role", role] + (["--kv-transfer", pd_transport] if role == "prefill" else [])
                  for role in roles]  # fmt: skip
-    async with start_replicas(
-        model_folder, count=count, slow=slow, slowdown=slowdown, threads=threads,
-        max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, prefix_caching=prefix_caching,
-        speculative_method=speculative_method, kv_events=exact_index, flags_per_replica=flags,
-    ) as processes:  # fmt: skip
-        clients = [RemoteEngineClient(process.url) for process in processes]
-        indices = [ExactPrefixIndex() if exact_index else None for _ in processes]
-        subscribers = [
-            asyncio.create_task(zmq_event_subscriber(process.kv_events_endpoint, index))
-            for process, index in zip(processes, indices, strict=True)
-            if index is not None
+    async with contextlib.AsyncExitStack() as closers:
+        if pd_shared_kv:
+            if pd is None:
+                raise ValueError("pd_shared_kv needs a P:D fleet")
+            folder = Path(closers.enter_context(tempfile.TemporaryDirectory(prefix="redis-")))
+            redis = await closers.enter_async_context(redis_server(folder, durable=False))
+            flags = [[*each, "--kv-shared-url", redis.url] for each in flags]
+        processes = await closers.enter_async_context(start_replicas(
+            model_folder, count=count, slow=slow, slowdown=slowdown, threads=threads,
+            max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+            prefix_caching=prefix_caching, speculative_method=speculative_method,
+            kv_events=exact_index, flags_per_replica=flags,
+        ))  # fmt: skip
+        async with _routed(processes, policy, exact_index, roles, pd_split) as fleet:
+            yield fleet
+
+
+@contextlib.asynccontextmanager
+async def _routed(processes, policy, exact_index, roles, pd_split) -> AsyncIterator[Fleet]:
+    """The fleet's router over its started engine processes, following their KV events."""
+    clients = [RemoteEngineClient(process.url) for process in processes]
+    indices = [ExactPrefixIndex() if exact_index else None for _ in processes]
+    subscribers = [
+        asyncio.create_task(zmq_event_subscriber(process.kv_events_endpoint, index))
+        for process, index in zip(processes, indices, strict=True)
+        if index is not None
+    ]
+    try:
+        first = await clients[0].stats()
+        replicas = [
+            Replica(
+                process.name,
+                client,
+                index=i,
+                block_size=first["block_size"],
+                kv_blocks_total=first["num_kv_blocks_total"],
+                prefix_index=prefix_index,
+                role=role,
+            )
+            for i, (process, client, prefix_index, role) in enumerate(
+                zip(processes, clients, indices, roles, strict=True)
+            )
         ]
+        config = RouterConfig(policy=policy, block_size=first["block_size"], pd_split=pd_split)
+        router = Router(replicas, config)
         try:
-            first = await clients[0].stats()
-            replicas = [
-                Replica(
-                    process.name,
-                    client,
-                    index=i,
-                    block_size=first["block_size"],
-                    kv_blocks_total=first["num_kv_blocks_total"],
-                    prefix_index=prefix_index,
-                    role=role,
-                )
-                for i, (process, client, prefix_index, role) in enumerate(
-                    zip(processes, clients, indices, roles, strict=True)
-                )
-            ]
-            config = RouterConfig(policy=policy, block_size=first["block_size"], pd_split=pd_split)
-            router = Router(replicas, config)
-            try:
-                yield Fleet(processes, clients, router)
-            finally:
-                await router.aclose()
+            yield Fleet(processes, clients, router)
         finally:
-            for task in subscribers:
-                task.cancel()
-            await asyncio.gather(*subscribers, return_exceptions=True)
-            await asyncio.gather(*(client.aclose() for client in clients))
+            await router.aclose()
+    finally:
+        for task in subscribers:
+            task.cancel()
+        await asyncio.gather(*subscribers, return_exceptions=True)
+        await asyncio.gather(*(client.aclose() for client in clients))
 
 
 def default_replica_threads(count: int) -> int:

@@ -244,6 +244,7 @@ async def open_stack(
     pd: tuple[int, int] | None = None,
     pd_split=None,
     pd_transport: str = "shm",
+    pd_shared_kv: bool = False,
 ) -> AsyncIterator[Stack]:
     """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
     replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
@@ -271,7 +272,7 @@ async def open_stack(
                     threads=replica_threads, policy=policy, max_model_len=max_model_len,
                     kv_cache_gib=kv_cache_gib, prefix_caching=spec.prefix_caching,
                     speculative_method=spec.speculative_method, pd=pd, pd_split=pd_split,
-                    pd_transport=pd_transport,
+                    pd_transport=pd_transport, pd_shared_kv=pd_shared_kv,
                 )
             )  # fmt: skip
             engine = fleet.router
