@@ -2,6 +2,7 @@
 beside the same stack colocated over two engines, in one run."""
 
 import asyncio
+import shutil
 
 import pytest
 
@@ -41,6 +42,7 @@ def test_bad_pd_flags_are_refused():
     assert parse_pd("2:3") == (2, 3)
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not on PATH")
 def test_with_a_shared_kv_tier_every_engine_writes_there_and_outputs_hold():
     sessions = [("folder-a", _session("a"))]
     args = _args(pd="1:1", pd_min_uncached_tokens=64, pd_transport="tcp", pd_shared_kv=True)
