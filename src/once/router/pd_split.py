@@ -36,7 +36,8 @@ from once.router.policies import (
     uncached_tokens,
 )
 
-# Why a request went where it went; the router counts each (`once_router_pd_decisions`).
+# Why a request went where it went; the router counts each (its /metrics:
+# `once_engine_pd_decisions_<reason>`, beside the pairs and the tokens split).
 SPLIT = "split"
 SHORT = "short"  # uncached prompt under the threshold
 IDLE = "idle"  # the decode replica had too few requests in flight to be disturbed
