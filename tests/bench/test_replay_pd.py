@@ -39,6 +39,7 @@ def test_bad_pd_flags_are_refused():
     assert cli.main(["--pd", "1"]) == 2
     assert cli.main(["--pd", "0:1"]) == 2
     assert cli.main(["--pd", "1:1", "--replicas", "2"]) == 2
+    assert cli.main(["--pd-shared-kv"]) == 2
     assert parse_pd("2:3") == (2, 3)
 
 

@@ -131,28 +131,31 @@ def test_a_torn_or_corrupt_block_in_the_store_is_a_miss(tmp_path):
 def test_the_prefill_engine_holds_blocks_until_the_decode_side_releases_them(
     tiny_model_dir, transport
 ):
-    # A store of 10 blocks: the next prompt's blocks would push PROMPT's out, were they not
+    # A store of 10 blocks: the next prompt's ten would push PROMPT's out, were they not
     # held for the decode side.
     prefill = engine(tiny_model_dir, role="prefill", kv_transfer=transport, kv_transfer_blocks=10)
-    params = run(prefill, "p", PROMPT)[-1].kv_transfer_params
+    leg = {"do_remote_decode": True}  # what a router's prefill leg says
+    params = run(prefill, "p", PROMPT, kv_transfer_params=leg)[-1].kv_transfer_params
     assert params["remote_request_id"] == "p"
-    run(prefill, "other", prompts(8, [39])[0])
+    # A request with no decode side announced: its blocks are stored, not held.
+    other = run(prefill, "other", prompts(8, [39])[0])[-1].kv_transfer_params
+    assert "remote_request_id" not in other
     stats = prefill.stats()
-    assert stats["kv_transfer_holds"] == 2 and stats["kv_transfer_held_blocks"] == 20
+    assert stats["kv_transfer_holds"] == 1 and stats["kv_transfer_held_blocks"] == 10
+    assert stats["kv_transfer_blocks"] == 20  # ten held, ten within the bound
     decode = engine(tiny_model_dir, role="decode")
     assert run(decode, "d", PROMPT, kv_transfer_params=params)[-1].metrics.num_cached_tokens == 38
     decode.connector.flush(loads=True)  # the release went out on the loader thread
     store = prefill.connector.transfer
     store.collect_releases()  # what the next write does
-    assert (store.num_holds, store.num_released) == (1, 1)
+    assert (store.num_holds, store.num_released) == (0, 1)
     for each in (prefill, decode):
         each.close()
 
 
-def test_a_hold_nobody_releases_ends_after_hold_s(tmp_path, monkeypatch):
-    store = TransferStore(2, root=str(tmp_path), hold_s=60.0)
+def test_a_hold_nobody_releases_ends_after_hold_s_or_when_holds_fill_the_store(tmp_path):
     clock = [1000.0]
-    monkeypatch.setattr("once.engine.kv.transfer.time.monotonic", lambda: clock[0])
+    store = TransferStore(2, root=str(tmp_path), hold_s=60.0, clock=lambda: clock[0])
     for block_hash in (1, 2):
         store.put(block_hash, b"x")
     store.hold("r", [1, 2, 3])  # 3 was never stored: nothing to hold
@@ -162,4 +165,9 @@ def test_a_hold_nobody_releases_ends_after_hold_s(tmp_path, monkeypatch):
     clock[0] += 61
     store.put(5, b"x")
     assert store.num_expired == 1 and len(store) == 2 and 1 not in store
+    store.hold("s", [4])
+    store.hold("t", [5])
+    store.put(6, b"x")
+    store.hold("u", [6])  # three held blocks, two of room: the oldest hold ends
+    assert (store.num_holds, store.num_held_blocks, store.num_expired) == (2, 2, 2)
     store.close()

@@ -39,7 +39,10 @@ class RedisServer:
         command = [
             "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
             "--dir", str(self.folder), "--save", "",
-            *(("--appendonly", "yes", "--appendfsync", "always") if self.durable else ()),
+            *(("--appendonly", "yes", "--appendfsync", "always") if self.durable
+              # a cache only: bounded, least recently used out first (as shared_tier.py
+              # asks of an operator's Redis)
+              else ("--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru")),
         ]  # fmt: skip
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

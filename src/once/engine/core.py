@@ -231,6 +231,9 @@ class LLMEngine:
         )
         if state.kv_remote_tail:
             state.kv_transfer_source = transfer_source(request)
+        state.kv_hold_for_decode = self.config.role == "prefill" and bool(
+            params.get("do_remote_decode")
+        )
         constraint = request.sampling.constraint
         if constraint is not None and request.forced_output_ids is None:
             state.grammar = self.grammars.matcher(constraint)
@@ -441,7 +444,7 @@ class LLMEngine:
             delta.kv_transfer_params = finish_prefill(
                 request.request_id, request.block_hashes[:num_blocks],
                 None if tail is None else tail[0], self._tiers(), self._read_block,
-                self.pool.block_size,
+                self.pool.block_size, hold=request.kv_hold_for_decode,
             )  # fmt: skip
         self._release_transfer(request)  # aborted or failed before its admission
         if request.finish_reason != FINISH_ABORT:

@@ -65,6 +65,8 @@ class Request:
         self.kv_remote_tail = False
         # (address, request id) of the prefill engine holding its blocks until released.
         self.kv_transfer_source: tuple[str, str] | None = None
+        # A prefill engine's request that a decode side will read (`do_remote_decode`).
+        self.kv_hold_for_decode = False
         self.num_emitted_tokens = 0
 
     @property

@@ -83,7 +83,7 @@ def check_pd_args(args) -> str | None:
     except ValueError as exc:
         return str(exc)
     if pd is None:
-        return None
+        return "--pd-shared-kv needs --pd P:D" if getattr(args, "pd_shared_kv", False) else None
     if args.pd_min_uncached_tokens < 1:
         return "--pd-min-uncached-tokens must be >= 1"
     if getattr(args, "replicas", 1) > 1:
@@ -204,14 +204,16 @@ def _transfer_figures(engines: dict) -> dict:
         "prefill_computed_tokens": int(computed),
     }
     if any("kv_tier_shared_errors" in stats for stats in engines.values()):  # --pd-shared-kv
-        # Blocks every engine wrote to the shared tier, and the prefix blocks the prefill
-        # engines loaded from it instead of recomputing them.
+        # Blocks every engine wrote to the shared tier, the prefix blocks the prefill
+        # engines loaded from it instead of recomputing them, and those the decode engines
+        # found there rather than in a prefill engine's store.
         figures["shared_saved_blocks"] = int(
             sum(s.get("kv_tier_shared_saved_blocks", 0) for s in engines.values())
         )
-        figures["prefill_shared_hit_blocks"] = int(
-            sum(s.get("kv_tier_shared_hit_blocks", 0) for s in prefill)
-        )
+        for role, group in (("prefill", prefill), ("decode", decode)):
+            figures[f"{role}_shared_hit_blocks"] = int(
+                sum(s.get("kv_tier_shared_hit_blocks", 0) for s in group)
+            )
     if blocks and block_size and step_s and load_s:
         bytes_per_token = loaded / blocks / block_size
         kv_rate = computed / step_s * bytes_per_token

@@ -2,8 +2,9 @@
 
 - prefill: a request decodes one token at most (the decode engine makes the rest). When it
   finishes, every full block of its prompt is in the transfer store: those it computed went
-  there as they filled; those its own prefix cache supplied are written now. The store
-  holds them for the decode side (TransferStore.hold). Its last delta then says where they
+  there as they filled; those its own prefix cache supplied are written now. When the
+  request said `do_remote_decode` (a router's prefill leg), the store holds them for the
+  decode side (TransferStore.hold). Its last delta then says where they
   are (`kv_transfer_params`, vLLM's field, with `remote_request_id` naming the hold), and
   is sent only once the writes are done, so the decode engine never asks for a block still
   in flight.
@@ -72,9 +73,11 @@ def finish_prefill(
     connector: TieredConnector,
     read_block,
     block_size: int,
+    hold: bool = True,
 ) -> dict:
-    """Make sure the store has every full prompt block, hold them and the prompt's tail
-    for the decode side; the params that tell it where they are."""
+    """Make sure the store has every full prompt block and, with `hold` (the request said
+    `do_remote_decode`), hold them and the prompt's tail for the decode side; the params
+    that tell it where they are."""
     store = connector.transfer
     assert isinstance(store, TransferStore)  # role prefill
     connector.flush()  # the blocks saved as they filled are written
@@ -85,11 +88,13 @@ def finish_prefill(
             connector.save(block_hash, *blocks)
     if missing:
         connector.flush()
-    store.hold(request_id, [*prompt_hashes, *([] if tail_hash is None else [tail_hash])])
-    return {
+    params = {
         "do_remote_prefill": True,
-        "remote_request_id": request_id,
         "remote_address": store.address,
         "remote_num_blocks": len(prompt_hashes),
         "remote_block_size": block_size,
     }
+    if hold:
+        store.hold(request_id, [*prompt_hashes, *([] if tail_hash is None else [tail_hash])])
+        params["remote_request_id"] = request_id  # the decode side releases by it
+    return params

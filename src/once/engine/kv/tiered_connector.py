@@ -67,7 +67,9 @@ class TieredConnector(KVConnector):
         self.transfer = transfer
         # Below the host, beside disk: stores read on a miss, and those of them written as
         # blocks fill (a decode engine's peers are the prefill engines' stores: read only).
-        self.remotes = [t for t in (shared, transfer) if t is not None]
+        # The transfer store first: for a decode engine it is the prefill engine's own copy,
+        # the direct path, where a shared store may hold the same blocks too.
+        self.remotes = [t for t in (transfer, shared) if t is not None]
         self.written_remotes = [t for t in self.remotes if not isinstance(t, PeerSet)]
         self.fingerprint = fingerprint
         self.write_mode = write_mode

@@ -29,7 +29,8 @@ A store is bounded (`capacity_blocks`, oldest write out first), and a finished p
 holds its blocks (`hold`) until the decode side says it has them (`release`, by the
 request id the params carry) or `hold_s` passes, as vLLM's NIXL connector keeps a prefill's
 blocks until the decode instance has read them or a timeout ends the wait. A held block is
-never evicted and does not count against the capacity. The decode
+never evicted and does not count against the capacity; held blocks are bounded by the
+capacity on their own (the oldest holds end first). The decode
 side releases through its peer: over shm it drops an empty file named for the request into
 the store's `released/` folder, which the store reads on its next write; over TCP it sends
 the request's key.
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,11 @@ class TransferStore:
     name = "transfer"
 
     def __init__(
-        self, capacity_blocks: int, root: str | None = None, hold_s: float = DEFAULT_HOLD_S
+        self,
+        capacity_blocks: int,
+        root: str | None = None,
+        hold_s: float = DEFAULT_HOLD_S,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if capacity_blocks < 1 or not hold_s > 0:
             raise ValueError("capacity_blocks must be >= 1 and hold_s > 0")
@@ -86,10 +92,11 @@ class TransferStore:
         (self.folder / RELEASED).mkdir()
         self.capacity_blocks = capacity_blocks
         self.hold_s = hold_s
+        self.clock = clock
         self.num_errors = 0
         self.num_evictions = 0
         self.num_released = 0  # holds the decode side ended
-        self.num_expired = 0  # holds that ran out first
+        self.num_expired = 0  # holds that ran out of time, or of room (below)
         self._names: OrderedDict[str, int] = OrderedDict()  # file name -> bytes
         self._held: Counter[str] = Counter()  # file name -> holds on it
         self._holds: OrderedDict[str, tuple[list[str], float]] = OrderedDict()  # by deadline
@@ -134,13 +141,18 @@ class TransferStore:
         return True
 
     def hold(self, request_id: str, block_hashes: list[int]) -> None:
-        """Keep `block_hashes` (those stored) until `release(request_id)` or `hold_s`."""
+        """Keep `block_hashes` (those stored) until `release(request_id)` or `hold_s`.
+        Held blocks are bounded too, by the capacity: past it the oldest holds end first
+        (a decode side that has not released by then is slow or gone)."""
         key = hold_key(request_id)
         with self._lock:
             self._end_hold(key)
             names = [name for name in map(block_file_name, block_hashes) if name in self._names]
             self._held.update(names)
-            self._holds[key] = (names, time.monotonic() + self.hold_s)
+            self._holds[key] = (names, self.clock() + self.hold_s)
+            while len(self._held) > self.capacity_blocks and len(self._holds) > 1:
+                self._end_hold(next(iter(self._holds)))
+                self.num_expired += 1
 
     def release(self, request_id: str) -> None:
         self.release_key(hold_key(request_id))
@@ -155,8 +167,10 @@ class TransferStore:
         entry = self._holds.pop(key, None)
         if entry is None:
             return False
-        self._held.subtract(entry[0])
-        self._held += Counter()  # drop the zero counts
+        for name in entry[0]:
+            self._held[name] -= 1
+            if self._held[name] <= 0:
+                del self._held[name]
         return True
 
     def collect_releases(self) -> None:
@@ -168,7 +182,7 @@ class TransferStore:
         for note in notes:
             self.release_key(note)
             (self.folder / RELEASED / note).unlink(missing_ok=True)
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             while self._holds:
                 key, (_, deadline) = next(iter(self._holds.items()))
@@ -193,8 +207,7 @@ class TransferStore:
 
     def discard(self, block_hash: int) -> None:
         with self._lock:
-            self._names.pop(block_file_name(block_hash), None)
-            self._held.pop(block_file_name(block_hash), None)
+            self._names.pop(block_file_name(block_hash), None)  # its holds end as they would
         (self.folder / block_file_name(block_hash)).unlink(missing_ok=True)
 
     def __len__(self) -> int:

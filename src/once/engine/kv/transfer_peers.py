@@ -161,6 +161,13 @@ class PeerSet:
             peer = self._peers.get(address)
         if peer is not None:
             peer.release(request_id)
+            return
+        try:  # dropped from the set since: a peer of its own for the one message
+            peer = open_peer(address)
+        except ValueError:
+            return  # the folder is gone, or the address is bad: nothing is held there
+        peer.release(request_id)
+        peer.close()
 
     def put(self, block_hash: int, data: bytes) -> bool:
         return False  # a decode engine reads from its peers, never writes to them
