@@ -25,15 +25,14 @@ The peers are in kv/transfer_peers.py. Both transports have SharedTier's interfa
   temporary name and renamed, so a reader never sees half a block.
 - tcp, across hosts: the store is served on a TCP port; one round trip per block.
 
-A store is bounded (`capacity_blocks`, oldest write out first), and a finished prefill
+A store is bounded (`capacity_blocks`, oldest write out first), and a finished prefill leg
 holds its blocks (`hold`) until the decode side says it has them (`release`, by the
 request id the params carry) or `hold_s` passes, as vLLM's NIXL connector keeps a prefill's
 blocks until the decode instance has read them or a timeout ends the wait. A held block is
 never evicted and does not count against the capacity; held blocks are bounded by the
-capacity on their own (the oldest holds end first). The decode
-side releases through its peer: over shm it drops an empty file named for the request into
-the store's `released/` folder, which the store reads on its next write; over TCP it sends
-the request's key.
+capacity on their own (the oldest holds end first). The decode side releases through its
+peer: over shm it drops an empty file named for the request into the store's `released/`
+folder, which the store reads on its next write; over TCP it sends the request's key.
 """
 
 import hashlib
