@@ -439,11 +439,9 @@ class LLMEngine:
         delta.metrics = request.finalize_metrics()
         if self.config.role == "prefill" and request.finish_reason in (FINISH_STOP, FINISH_LENGTH):
             num_blocks = request.num_prompt_tokens // self.pool.block_size
-            tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
-                                    self.pool.block_size, request.cache_salt)  # fmt: skip
             delta.kv_transfer_params = finish_prefill(
                 request.request_id, request.block_hashes[:num_blocks],
-                None if tail is None else tail[0], self._tiers(), self._read_block,
+                request.kv_prompt_tail_hash, self._tiers(), self._read_block,
                 self.pool.block_size, hold=request.kv_hold_for_decode,
             )  # fmt: skip
         self._release_transfer(request)  # aborted or failed before its admission
@@ -502,6 +500,7 @@ class LLMEngine:
             if tail is not None and index < len(block_ids):
                 k = self.kv_cache.k[:, block_ids[index]]
                 self._tiers().save_to_transfer(tail[0], k, self.kv_cache.v[:, block_ids[index]])
+                request.kv_prompt_tail_hash = tail[0]
 
     def _load_tail(self, block_id: int, tail_hash: int) -> bool:
         connector = self._tiers()

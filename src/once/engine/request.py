@@ -67,6 +67,7 @@ class Request:
         self.kv_transfer_source: tuple[str, str] | None = None
         # A prefill engine's request that a decode side will read (`do_remote_decode`).
         self.kv_hold_for_decode = False
+        self.kv_prompt_tail_hash: int | None = None  # its prompt tail, once in the store
         self.num_emitted_tokens = 0
 
     @property

@@ -12,7 +12,7 @@
   engine's store; the engine adds it to its peers, and admission finds the prompt's blocks
   there like any lower tier (one token is left to compute: the first output token's). Once
   the request is admitted (its blocks loaded, or given up on), the engine releases the
-  hold (`release_source`).
+  hold (TieredConnector.release_transfer).
 - both: the params are ignored, as a colocated vLLM ignores them.
 """
 

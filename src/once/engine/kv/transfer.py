@@ -26,7 +26,7 @@ The peers are in kv/transfer_peers.py. Both transports have SharedTier's interfa
 - tcp, across hosts: the store is served on a TCP port; one round trip per block.
 
 A store is bounded (`capacity_blocks`, oldest write out first), and a finished prefill leg
-holds its blocks (`hold`) until the decode side says it has them (`release`, by the
+holds its blocks (`hold`) until the decode side says it has them (`release_key`, by the
 request id the params carry) or `hold_s` passes, as vLLM's NIXL connector keeps a prefill's
 blocks until the decode instance has read them or a timeout ends the wait. A held block is
 never evicted and does not count against the capacity; held blocks are bounded by the
@@ -153,10 +153,8 @@ class TransferStore:
                 self._end_hold(next(iter(self._holds)))
                 self.num_expired += 1
 
-    def release(self, request_id: str) -> None:
-        self.release_key(hold_key(request_id))
-
     def release_key(self, key: str) -> None:
+        """End the hold a decode side names by `hold_key(request_id)`."""
         with self._lock:
             if self._end_hold(key):
                 self.num_released += 1
