@@ -23,6 +23,17 @@ def cgroups() -> CgroupLimits:
     return cgroups
 
 
+async def appears(command: str, within_s: float = 30.0) -> list[int]:
+    """The processes running `command`, waited for: a process in the middle of its exec has
+    an empty command line for a moment, and the background `setsid` may not have run yet."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not (found := processes_with(command)):
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.02)
+    return found
+
+
 async def run(argv: list[str]) -> str:
     proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)  # a hang guard
@@ -39,7 +50,7 @@ async def test_a_process_that_left_its_session_is_killed_with_the_cell(cgroups):
             )
         )
         assert all(path.name in output for path in cell.paths)
-        assert processes_with(f"sleep {leftover}")  # alive: it left the process group
+        assert await appears(f"sleep {leftover}")  # alive: it left the process group
         assert set(cell.pids()) >= set(processes_with(f"sleep {leftover}"))
     finally:
         paths = list(cell.paths)
