@@ -97,7 +97,7 @@ async def test_nested_calls_run_concurrently_under_promise_all():
     )
     elapsed = time.perf_counter() - start
     assert result.output == "echo: 1,echo: 2,echo: 3,echo: 4,echo: 5,echo: 6"
-    assert elapsed < 0.5, f"6 x 0.2 s calls took {elapsed:.2f} s: not concurrent"
+    assert elapsed < 1.0, f"6 x 0.2 s calls took {elapsed:.2f} s: not concurrent"
     assert result.metadata["num_tool_calls"] == 6
 
 
@@ -202,14 +202,14 @@ async def test_an_endless_program_is_stopped_by_the_time_limit(code):
     ticking.cancel()
     assert result.is_error and result.metadata["stopped"] == "timeout"
     assert "exceeded the 0.5 s time limit" in result.output
-    assert 0.5 <= elapsed < 1.5
-    assert ticks >= 20, "the event loop was blocked while the program ran"
+    assert 0.5 <= elapsed < 5.0  # a busy machine may close the isolate late, not never
+    assert ticks >= 10, "the event loop was blocked while the program ran"
     after = await run(registry, ctx, "return 1 + 1")
     assert after.output == "2" and not after.is_error
 
 
 async def test_a_pending_nested_call_is_cancelled_and_recorded_at_the_time_limit():
-    registry, ctx = make(CodeModeLimits(timeout_s=0.3), EchoTool("forever", 60.0))
+    registry, ctx = make(CodeModeLimits(timeout_s=2.0), EchoTool("forever", 60.0))
     result = await run(registry, ctx, "await tools.forever({text: 'x'})")
     assert result.metadata["stopped"] == "timeout"
     record = next(r for r in ctx.transcript if r.name == "forever")

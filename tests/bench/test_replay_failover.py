@@ -215,7 +215,7 @@ async def test_killing_a_replica_mid_replay_loses_no_session(served, spec):
     retried = [row for row in rows if row.get("retries")]
     assert all(row["replica"] == "replica-0" for row in retried)
     assert killed_at_call and killed_at_call[0] < len(rows)
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 300  # no hang (replica starts included)
 
 
 def test_routing_flags_are_checked_and_the_default_record_keeps_its_shape():
@@ -248,14 +248,14 @@ async def test_replicas_feed_the_router_an_exact_index_over_zmq(served):
     async with open_fleet(
         folder, count=2, max_model_len=MAX_LEN, kv_cache_gib=0.05, policy="round_robin"
     ) as fleet:
-        await asyncio.sleep(0.3)  # the ZMQ subscriptions reach the publishers
+        await asyncio.sleep(1.0)  # the ZMQ subscriptions reach the publishers
         prompt = tuple(range(1, 100))  # 6 full blocks of 16
         request = GenerateRequest("z", prompt, SamplingParams(max_tokens=2))
         async for _ in fleet.router.generate(request):
             pass
         served_by = [r for r in fleet.router.replicas if r.counters["num_finished"]][0]
         assert isinstance(served_by.prefix_index, ExactPrefixIndex)
-        for _ in range(100):  # events arrive asynchronously
+        for _ in range(500):  # events arrive asynchronously (10 s at most)
             if len(served_by.prefix_index) == 6:
                 break
             await asyncio.sleep(0.02)

@@ -39,7 +39,7 @@ async def test_a_subscriber_follows_the_engines_prefix_cache_exactly(tiny_model_
     index = ExactPrefixIndex()
     subscriber = asyncio.create_task(zmq_event_subscriber(endpoint, index))
     try:
-        await asyncio.sleep(0.3)  # a ZMQ subscription takes a moment to reach the publisher
+        await asyncio.sleep(1.0)  # a ZMQ subscription takes a moment to reach the publisher
 
         async def run(request_id, prompt):
             request = GenerateRequest(request_id, tuple(prompt), SamplingParams(max_tokens=2))
@@ -48,7 +48,7 @@ async def test_a_subscriber_follows_the_engines_prefix_cache_exactly(tiny_model_
 
         async def index_matches_engine():
             cached = set(engine.engine.pool.cached)
-            for _ in range(100):
+            for _ in range(500):  # 10 s
                 if set(index._blocks) == cached:
                     return cached
                 await asyncio.sleep(0.02)

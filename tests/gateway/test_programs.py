@@ -240,7 +240,8 @@ async def test_a_replay_repeats_random_numbers_dates_and_timers(runtime):
 
 
 async def test_a_program_past_its_time_limit_or_throwing_ends_incomplete(runtime):
-    hosted = HostedTools([ProgrammaticToolCalling(RunLimits(timeout_s=0.3))])
+    # 2 s: the second program must reach its unknown tool within the limit on a busy machine.
+    hosted = HostedTools([ProgrammaticToolCalling(RunLimits(timeout_s=2.0))])
     texts = [
         block(PROGRAM_TOOL_NAME, input="while (true) {}"),
         block(PROGRAM_TOOL_NAME, input="await tools.nope({});"),
@@ -258,10 +259,10 @@ async def test_a_program_past_its_time_limit_or_throwing_ends_incomplete(runtime
     ]  # fmt: skip
     timed_out, unknown = response.output[1], response.output[3]
     assert timed_out.status == "incomplete"
-    assert timed_out.result == "program stopped: it exceeded the 0.3 s time limit"
+    assert timed_out.result == "program stopped: it exceeded the 2 s time limit"
     assert unknown.status == "incomplete" and "unknown tool 'nope'" in unknown.result
     assert "tools.get_weather" in unknown.result  # it names the callable tools
-    assert response.output_text == FINAL and elapsed < 5
+    assert response.output_text == FINAL and elapsed < 15
     assert len(engine.requests) == 3  # one response: the model went on after each
 
 

@@ -118,14 +118,14 @@ def test_rules_reject_bad_regexes_and_empty_policies():
 
 
 async def test_checker_runs_classifiers_concurrently():
-    slow, slower = FakeClassifier("a", 0.2), FakeClassifier("b", 0.3)
+    slow, slower = FakeClassifier("a", 1.0), FakeClassifier("b", 1.5)
     start = time.perf_counter()
     verdict = await SafetyChecker([slow, slower]).check(["text"])
     wall = time.perf_counter() - start
-    assert 0.3 <= wall < 0.45  # the max of the two, not the sum (0.5)
+    assert 1.5 <= wall < 2.4  # the max of the two, not the sum (2.5)
     assert verdict.flagged is False and verdict.category is None
     assert verdict.classifier == "a+b"
-    assert verdict.elapsed_s >= 0.3 and verdict.score == pytest.approx(0.1)
+    assert verdict.elapsed_s >= 1.5 and verdict.score == pytest.approx(0.1)
 
 
 async def test_first_flagged_verdict_wins_without_waiting_for_the_rest():
@@ -133,7 +133,7 @@ async def test_first_flagged_verdict_wins_without_waiting_for_the_rest():
     slow = FakeClassifier("embedding", 2.0)
     start = time.perf_counter()
     verdict = await SafetyChecker([slow, fast_flag]).check(["text"])
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 1.5
     assert (verdict.flagged, verdict.category, verdict.classifier) == (True, "weapons", "rules")
     await asyncio.sleep(0)
     assert slow.num_finished == 0  # cancelled
@@ -308,7 +308,7 @@ async def test_a_huge_continuation_is_checked_in_bounded_time(classifier):
     start = time.perf_counter()
     verdict = await classifier.classify([CODE * 300] * 20)  # ~400k characters
     assert verdict.flagged is False
-    assert time.perf_counter() - start < 3.0  # ~0.5 s here; 1024 word pieces at most
+    assert time.perf_counter() - start < 10.0  # ~0.5 s alone; 1024 word pieces at most
 
 
 async def test_the_model_runs_off_the_event_loop_on_one_core(classifier):

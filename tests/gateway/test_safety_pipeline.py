@@ -174,25 +174,26 @@ async def first_delta_after(service, **body) -> tuple[float, list[dict]]:
 
 
 async def test_the_check_hides_behind_prefill(runtime):
-    engine = scripted_texts(runtime, ["Done."], ttft_s=0.5)
-    service = make_service(runtime, engine, SleepyClassifier(0.3), "hold")
+    # Seconds, not tenths: a busy machine's timer overshoot stays well inside the margins.
+    engine = scripted_texts(runtime, ["Done."], ttft_s=2.0)
+    service = make_service(runtime, engine, SleepyClassifier(1.0), "hold")
     ttft, events = await first_delta_after(service, input="hello")
     assert events[-1]["type"] == "response.completed"
-    assert 0.45 <= ttft < 0.7  # not 0.8: check and prefill overlapped
+    assert 1.95 <= ttft < 2.9  # not 3.0: check and prefill overlapped
     metrics = service.metrics
-    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(0.3, abs=0.05)
-    assert metrics.value(metrics.safety_exposed_seconds) < 0.02
+    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(1.0, abs=0.25)
+    assert metrics.value(metrics.safety_exposed_seconds) < 0.25
 
 
 async def test_a_check_slower_than_prefill_holds_output_and_counts_as_exposed(runtime):
-    engine = scripted_texts(runtime, ["Done."], ttft_s=0.1)
-    service = make_service(runtime, engine, SleepyClassifier(0.3), "hold")
+    engine = scripted_texts(runtime, ["Done."], ttft_s=0.5)
+    service = make_service(runtime, engine, SleepyClassifier(2.0), "hold")
     ttft, events = await first_delta_after(service, input="hello")
     assert events[-1]["type"] == "response.completed"
-    assert 0.28 <= ttft < 0.5  # held until the check passed
+    assert 1.95 <= ttft < 2.45  # held until the check passed; not 2.5: they overlapped
     metrics = service.metrics
-    assert metrics.value(metrics.safety_exposed_seconds) == pytest.approx(0.2, abs=0.05)
-    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(0.1, abs=0.05)
+    assert metrics.value(metrics.safety_exposed_seconds) == pytest.approx(1.5, abs=0.25)
+    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(0.5, abs=0.25)
 
 
 # -- 5. only new items are classified ---------------------------------------------------------

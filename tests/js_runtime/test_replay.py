@@ -99,9 +99,10 @@ async def test_the_seed_and_epoch_are_what_the_program_sees():
     ],
 )
 async def test_limits_stop_a_replay(code, stopped):
-    # The bomb gets a long time limit (a hang guard): on a loaded machine 0.5 s may end
-    # before 32 MiB are filled, and the heap limit is what this case is about.
-    timeout_s = 20.0 if stopped == "memory" else 0.5
+    # Only the timeout case gets a short limit. The others get a long one (a hang guard):
+    # on a loaded machine 0.5 s may end before 32 MiB are filled or before the program
+    # is seen stuck, and the heap limit or the stuck check is what those cases are about.
+    timeout_s = 0.5 if stopped == "timeout" else 20.0
     run, _ = await replay(code, [], timeout_s=timeout_s, max_heap_bytes=32 << 20)
     assert run.stopped == stopped and run.error.startswith("program stopped")
     assert not run.suspended

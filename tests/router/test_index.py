@@ -131,7 +131,7 @@ async def test_zmq_subscriber_follows_a_vllm_style_publisher():
     try:
         # vLLM sends bytes hashes; [topic, 8-byte sequence number, msgpack batch].
         batch = [1.0, [["BlockStored", [b"h1", b"h2"], None, TOKENS[:32], 16, None, "GPU"]]]
-        for seq in range(200):  # PUB drops messages until the subscriber has joined
+        for seq in range(2000):  # PUB drops messages until the subscriber has joined (10 s)
             await publisher.send_multipart(
                 [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb(batch)]
             )
