@@ -19,13 +19,17 @@ from once.protocol.chat import include_usage, parse_chat_request
 TRANSPORT = "http"
 
 
-def sse_data(events: list[dict | str]) -> bytes:
-    # Chat Completions' SSE has no `event:` lines: `data: <json>` frames, then `data: [DONE]`.
-    frames = [
-        event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
-        for event in events
-    ]
-    return "".join(f"data: {frame}\n\n" for frame in frames).encode()
+def sse_data(events: list[dict | str | bytes]) -> bytes:
+    # Chat Completions' SSE has no `event:` lines: `data: <json>` frames, then `data: [DONE]`;
+    # bytes are a frame already (the keep-alive comment).
+    return b"".join(_frame(event) for event in events)
+
+
+def _frame(event: dict | str | bytes) -> bytes:
+    if isinstance(event, bytes):
+        return event
+    data = event if isinstance(event, str) else json.dumps(event, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
 
 
 def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
@@ -49,6 +53,6 @@ def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
         encoder = ChatCompletionsEncoder(
             prepared.request, prepared.response_id, prepared.created_at, include_usage(decoded)
         )
-        return await reply(pipeline, prepared, encoder, sse_data, error_response)
+        return await reply(pipeline, prepared, encoder, sse_data, error_response, http)
 
     return router

@@ -75,7 +75,7 @@ def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
         encoder = MessagesEncoder(
             prepared.request, prepared.response_id, len(prepared.built.prompt_ids)
         )
-        return await reply(pipeline, prepared, encoder, sse_chunk, anthropic_error_response)
+        return await reply(pipeline, prepared, encoder, sse_chunk, anthropic_error_response, http)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(http: Request):

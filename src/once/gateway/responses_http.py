@@ -54,7 +54,7 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
             raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
         prepared = await pipeline.prepare(admission)
         encoder = responses_encoder(prepared)
-        return await reply(pipeline, prepared, encoder, sse_chunk, error_response)
+        return await reply(pipeline, prepared, encoder, sse_chunk, error_response, http)
 
     @router.post("/v1/responses/input_tokens")
     async def count_input_tokens(http: Request):

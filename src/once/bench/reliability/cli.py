@@ -1,7 +1,8 @@
 """`once bench reliability [--json] [--quick]`: every reliability part, one summary.
 
 In order: the API fuzzed (fuzz.py), faults injected (faults.py), load (load.py), early
-rejection of over-long prompts (rejection.py) and sandbox escape attempts (sandbox.py).
+rejection of over-long prompts (rejection.py), sandbox escape attempts (sandbox.py) and
+requests their clients abandoned (abandoned.py).
 Each part is imported when it runs; a part whose module is not there, or that fails, is
 recorded as not run (with why) and its bars as unmet, and the others still run. The
 summary is one flat dict of every part's figures, plus `bars`: {bar: {value, target,
@@ -36,8 +37,9 @@ BARS: tuple[tuple[str, str, float], ...] = (
     ("gateway_memory_growth_mb_per_1k_sessions", "<=", 5),
     ("max_rejection_cpu_ms", "<=", 50),
     ("sandbox_escapes", "==", 0),
+    ("abandoned_tokens_after_1s", "==", 0),
 )
-PART_NAMES = ("fuzz", "faults", "load", "rejection", "sandbox")
+PART_NAMES = ("fuzz", "faults", "load", "rejection", "sandbox", "abandoned")
 _COMPARE = {"==": operator.eq, "<=": operator.le, ">=": operator.ge}
 
 
@@ -61,6 +63,7 @@ def parts(args) -> list[tuple[str, str, Callable[[object], dict]]]:
         ("rejection", "once.bench.reliability.rejection",
          lambda m: m.run_rejection(repeats=1 if args.quick else 3)),
         ("sandbox", "once.bench.reliability.sandbox", lambda m: m.run_attempts()),
+        ("abandoned", "once.bench.reliability.abandoned", lambda m: m.run_abandoned()),
     ]  # fmt: skip
 
 
@@ -117,7 +120,7 @@ def format_table(summary: dict) -> str:
             lines.append(f"{name}: not run ({record['not_run']})")
     figures = ("fuzz_requests", "ws_requests", "load_completed_sessions", "load_requests",
                "load_added_ms_p50", "load_added_ms_p99", "gateway_rss_mb_start",
-               "gateway_rss_mb_end", "sandbox_attempts")  # fmt: skip
+               "gateway_rss_mb_end", "sandbox_attempts", "abandoned_requests")  # fmt: skip
     for key in figures:
         if key in summary:
             value = summary[key]
