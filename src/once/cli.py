@@ -3,6 +3,11 @@
 import argparse
 import sys
 
+# On SIGTERM (or ^C) the servers stop taking connections, give the requests in flight this
+# long, then cancel them, which aborts their engine requests. uvicorn's default waits for
+# every open connection: a busy `once serve` outlived its SIGTERM by minutes (issue 33).
+SHUTDOWN_GRACE_S = 3
+
 
 def _engine_config(args):
     """The engine's config from flags and ONCE_ENGINE_* variables; a bad value (say, in
@@ -166,7 +171,13 @@ def cmd_engine(args) -> int:
     engine = AsyncEngine.from_config(config)
     app = build_engine_app(engine, model_name=config.model)
     freeze_startup_heap()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     return 0
 
 
@@ -267,6 +278,7 @@ def cmd_serve(args) -> int:
         ws_max_size=config.max_body_bytes,
         ssl_certfile=config.tls_certfile,
         ssl_keyfile=config.tls_keyfile,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     return 0
 
