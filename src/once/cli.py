@@ -194,6 +194,7 @@ def _gateway_config(args):
         store=args.store,
         tls_certfile=args.tls_certfile,
         tls_keyfile=args.tls_keyfile,
+        keep_alive_s=args.keep_alive_s,
     )
     config = GatewayConfig.load(args.config, **overrides)
     if args.no_safety:
@@ -384,6 +385,12 @@ def main(argv=None) -> int:
     serve.add_argument("--no-safety", action="store_true", help="no input safety check")
     serve.add_argument("--tls-certfile", default=None)
     serve.add_argument("--tls-keyfile", default=None)
+    serve.add_argument(
+        "--keep-alive-s",
+        type=float,
+        default=None,
+        help="seconds of silence before a streamed response gets a keep-alive (default 10; 0: off)",
+    )
 
     agent = sub.add_parser("agent", help="the coding agent (one task, or interactive)")
     agent.add_argument("task", nargs="?", help="the task; without it, one task per input line")

@@ -163,6 +163,7 @@ def create_gateway(
         RateLimiter(config.rate_limit_storage, redis_timeout_s=config.redis_timeout_s),
         verify_every=config.verify_every,
         stream_interval_s=config.stream_interval_s,
+        keep_alive_s=config.keep_alive_s,
         max_body_bytes=config.max_body_bytes,
         websocket_max_age_s=config.websocket_max_age_s,
         send_timeout_s=config.send_timeout_s,

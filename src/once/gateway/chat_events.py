@@ -9,6 +9,7 @@ is a chunk holding an OpenAI-style `error` (as vLLM sends it). The SSE stream en
 `data: [DONE]`.
 """
 
+from once.gateway.keep_alive import SSE_COMMENT
 from once.gateway.output import (
     FAILED,
     INCOMPLETE,
@@ -123,6 +124,9 @@ class ChatCompletionsEncoder:
 
     def store_failed(self, wire: list[dict | str], error: dict) -> None:
         return None  # this API's responses are never stored (store=False)
+
+    def keep_alive(self) -> list[bytes]:
+        return [SSE_COMMENT]  # no chunk to spare: an SSE comment, framed as is (keep_alive.py)
 
     def api_object(self) -> dict:
         """The `chat.completion` of a non-streaming request (after the final event)."""

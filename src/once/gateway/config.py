@@ -37,6 +37,9 @@ class GatewayConfig:
     stateless_states: int = 512
     stateless_tokens: int = 2_000_000  # ~36 bytes an id as Python ints: ~72 MB at most
     stream_interval_s: float = 0.002  # tokens closer together than this share an event batch
+    # A streamed response that has had nothing to send for this long gets a keep-alive
+    # (keep_alive.py: what each API sends, and why Codex needs a real event); 0: never.
+    keep_alive_s: float = 10.0
     safety: dict = field(default_factory=dict)  # one model's [safety] table; {}: off
     # [gateway.aliases]: client model name or glob -> served model; None: the defaults
     # (aliases.py), {}: none.

@@ -132,6 +132,9 @@ class MessagesEncoder:
     def store_failed(self, wire: list[dict], error: dict) -> None:
         return None  # this API's responses are never stored (store=False)
 
+    def keep_alive(self) -> list[dict]:
+        return [{"type": "ping"}]  # Anthropic's own keep-alive, skipped by its clients
+
     def api_object(self) -> dict:
         """The message of a non-streaming request (after the final event)."""
         assert self.finished is not None

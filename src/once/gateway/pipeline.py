@@ -21,6 +21,9 @@ preparation, the work per event batch (detokenize, parse, encode, frame), the sa
 the writes (from handing a batch to the front end until it asks for the next). Waiting for
 the engine, the input check and the stream interval are not counted: it is a sum of
 durations, so it cannot go below zero.
+
+A streamed response that waits longer than `keep_alive_s` for its next batch (a long
+prefill, a hosted tool) gets the encoder's keep-alive meanwhile (keep_alive.py).
 """
 
 import asyncio
@@ -37,6 +40,7 @@ from once.gateway.constraints import output_constraint
 from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
 from once.gateway.generation import EventBatch, Generation
 from once.gateway.hosted import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, HostedTurn
+from once.gateway.keep_alive import KEEP_ALIVE, with_keep_alives
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED, OutputEvent, Usage
@@ -66,6 +70,8 @@ class EventEncoder(Protocol):
     def store_failed(self, wire: list[Any], error: dict) -> None:
         """The response was not stored: say so in `wire` (the final batch, encoded but not
         framed yet) and in `api_object`."""
+
+    def keep_alive(self) -> list[Any]: ...  # wire events that say "still working" (keep_alive.py)
 
 
 Frame = Callable[[list[Any]], object]  # a batch of wire events -> what the transport writes
@@ -105,6 +111,7 @@ class ResponsePipeline:
         *,
         verify_every: int = 32,
         stream_interval_s: float = 0.002,
+        keep_alive_s: float = 10.0,
         max_body_bytes: int = 32 * 1024 * 1024,
         websocket_max_age_s: float = 3600.0,
         send_timeout_s: float = 30.0,
@@ -125,6 +132,7 @@ class ResponsePipeline:
         self.keyring = keyring
         self.limiter = limiter
         self.stream_interval_s = stream_interval_s
+        self.keep_alive_s = keep_alive_s
         self.max_body_bytes = max_body_bytes
         self.websocket_max_age_s = websocket_max_age_s
         self.send_timeout_s = send_timeout_s
@@ -219,8 +227,15 @@ class ResponsePipeline:
         outcome = "disconnected"  # a stream closed early: the client left
         self.num_inflight += 1
         self.metrics.inflight.inc()
+        batches: AsyncIterator[Any] = self._batches(prepared)
+        if self.keep_alive_s > 0 and (transport == "websocket" or prepared.request.stream):
+            batches = with_keep_alives(batches, self.keep_alive_s)
         try:
-            async for events, final in self._batches(prepared):
+            async for item in batches:
+                if item is KEEP_ALIVE:
+                    yield frame(encoder.keep_alive())
+                    continue
+                events, final = item
                 t0 = time.perf_counter()
                 wire = encoder.encode(events)
                 if final is not None:

@@ -96,6 +96,10 @@ class ResponsesEncoder:
             target["store"] = False
             target[STORE_ERROR_FIELD] = error
 
+    def keep_alive(self) -> list[dict]:
+        # The event Codex's idle timer counts and every client already takes (keep_alive.py).
+        return [self._event("response.in_progress", response=self.snapshot())]
+
     def encode(self, events: list[OutputEvent]) -> list[dict]:
         wire: list[dict] = []
         for event in events:
