@@ -457,11 +457,14 @@ def main(argv=None) -> int:
     try:
         return handlers[args.command](args)
     except Exception as exc:
+        from once.engine.config import EngineSettingError
         from once.protocol.errors import OnceError
 
         if isinstance(exc, OnceError):
             print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
             return 1
+        if isinstance(exc, EngineSettingError):
+            raise SystemExit(f"once: error: {exc}") from None
         raise
 
 

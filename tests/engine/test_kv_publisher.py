@@ -32,7 +32,7 @@ def test_encoding_round_trips_through_the_vllm_decoder():
 async def test_a_subscriber_follows_the_engines_prefix_cache_exactly(tiny_model_dir):
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     config = EngineConfig(
-        model=str(tiny_model_dir), num_kv_blocks=12, max_model_len=256,
+        model=str(tiny_model_dir), num_kv_blocks=12, max_model_len=192,
         kv_events_endpoint=endpoint,
     )  # fmt: skip
     engine = AsyncEngine(LLMEngine(config))

@@ -21,8 +21,10 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda"
     dtype: str = "float32"
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int = 0  # 0: size from kv_cache_gib
-    kv_cache_gib: float = 1.0
+    # The device KV pool (kv_cache_blocks below): num_kv_blocks when set, else kv_cache_gib;
+    # both 0 (auto): 1 GiB, or one request of max_model_len when that is more.
+    num_kv_blocks: int = 0
+    kv_cache_gib: float = 0.0
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
@@ -99,6 +101,10 @@ class EngineConfig:
             raise ValueError("kv_transfer_port must be in [0, 65535] and kv_transfer_blocks >= 0")
         if not (math.isfinite(self.kv_pause_keep_s) and self.kv_pause_keep_s >= 0):
             raise ValueError(f"kv_pause_keep_s must be >= 0, got {self.kv_pause_keep_s}")
+        if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib >= 0):
+            raise ValueError(f"kv_cache_gib must be >= 0 (0: auto), got {self.kv_cache_gib}")
+        if self.num_kv_blocks < 0 or self.max_model_len < 0:
+            raise ValueError("num_kv_blocks and max_model_len must be >= 0 (0: auto)")
         if self.kv_host_blocks < 0 or self.kv_disk_gib <= 0 or self.kv_load_timeout_s < 0:
             raise ValueError("kv_host_blocks, kv_disk_gib and kv_load_timeout_s must be >= 0")
 
@@ -131,3 +137,39 @@ class EngineConfig:
                 raise ValueError(f"{variable}={raw!r} is not a valid {kind}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return replace(cls(), **values)
+
+
+class EngineSettingError(ValueError):
+    """Settings that cannot work together on this model, found as the engine starts (the
+    command line prints the message and exits, as for a bad flag)."""
+
+
+DEFAULT_KV_CACHE_GIB = 1.0
+
+
+def kv_cache_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """The device KV pool in blocks. Set (num_kv_blocks, else kv_cache_gib), it is what was
+    set; auto, it is 1 GiB, or more when an asked max_model_len needs more: one request
+    of the context asked for must fit (the engine refuses to start otherwise, as vLLM
+    does), and the default once cut `--max-model-len 32768` to 23,296 without a word."""
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    num_blocks = int((config.kv_cache_gib or DEFAULT_KV_CACHE_GIB) * 2**30 // bytes_per_block)
+    if not config.kv_cache_gib and config.max_model_len:
+        num_blocks = max(num_blocks, -(-config.max_model_len // config.block_size))
+    return num_blocks
+
+
+def kv_cache_too_small(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> str:
+    need = -(-config.max_model_len // config.block_size)
+    setting = (
+        f"num_kv_blocks={config.num_kv_blocks}"
+        if config.num_kv_blocks
+        else f"--kv-cache-gib {config.kv_cache_gib:g}"
+    )
+    return (
+        f"the KV cache ({setting}) holds {num_blocks * config.block_size} tokens, less "
+        f"than one request of --max-model-len {config.max_model_len}: set --kv-cache-gib "
+        f"to at least {need * bytes_per_block / 2**30:.2f}, leave it unset (the cache is "
+        "then sized to the context), or lower --max-model-len"
+    )

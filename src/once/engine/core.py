@@ -13,7 +13,12 @@ import time
 import torch
 
 from once.engine.attention import PagedKVCache
-from once.engine.config import EngineConfig
+from once.engine.config import (
+    EngineConfig,
+    EngineSettingError,
+    kv_cache_blocks,
+    kv_cache_too_small,
+)
 from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_from_model
 from once.engine.kv.block_codec import decode_block
 from once.engine.kv.blocks import BlockPool
@@ -82,20 +87,20 @@ class LLMEngine:
         )
 
         block_size = config.block_size
-        num_blocks = config.num_kv_blocks or int(
-            config.kv_cache_gib
-            * 2**30
-            // PagedKVCache.bytes_per_block(
-                model_config.num_layers,
-                block_size,
-                model_config.num_kv_heads,
-                model_config.head_dim,
-                dtype,
-            )
+        bytes_per_block = PagedKVCache.bytes_per_block(
+            model_config.num_layers,
+            block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
         )
+        num_blocks = kv_cache_blocks(config, bytes_per_block)
         if num_blocks * block_size < self.max_model_len:
-            # One request must fit the cache (vLLM refuses to start otherwise): the context
-            # is what the cache holds, so a request the gateway admits can always run.
+            # One request must fit the cache (vLLM refuses to start otherwise). A context
+            # asked for is refused; the model's own is cut to what the cache holds, so a
+            # request the gateway admits can always run.
+            if config.max_model_len:
+                raise EngineSettingError(kv_cache_too_small(config, num_blocks, bytes_per_block))
             logger.warning(
                 "the KV cache holds %d tokens, less than the context of %d: the context is "
                 "cut to %d (raise kv_cache_gib for more)",

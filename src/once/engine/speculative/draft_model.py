@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from once.engine.attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillChunk
+from once.engine.config import kv_cache_blocks
 from once.engine.models.config import ModelConfig
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
@@ -309,12 +310,11 @@ def draft_pool_blocks(config, target: ModelConfig, dtype: torch.dtype) -> int:
     """As many token slots as the target's KV cache, plus every running request's drafts,
     so the draft pool runs dry only where the target's prefix cache shares blocks."""
     bs = config.block_size
-    num_target_blocks = config.num_kv_blocks or int(
-        config.kv_cache_gib
-        * 2**30
-        // PagedKVCache.bytes_per_block(
+    num_target_blocks = kv_cache_blocks(
+        config,
+        PagedKVCache.bytes_per_block(
             target.num_layers, bs, target.num_kv_heads, target.head_dim, dtype
-        )
+        ),
     )
     blocks_per_draft = -(-config.num_speculative_tokens // bs) + 1
     return num_target_blocks + config.max_num_seqs * blocks_per_draft
