@@ -34,7 +34,7 @@ from once.gateway.responses_http import responses_encoder
 from once.model_files import DEFAULT_MODEL
 from once.protocol.responses import parse_request
 
-START_TIMEOUT_S = 10
+START_TIMEOUT_S = 60  # a busy machine starts a server slowly; a healthy one in ~0.1 s
 
 
 def load_runtime(model: str = DEFAULT_MODEL) -> ModelRuntime:

@@ -18,6 +18,7 @@ partially answered request; this class never enables that and decides itself.
 """
 
 import time
+from typing import Any, cast
 
 from openai import AsyncOpenAI
 from openai.resources.responses.responses import (
@@ -39,8 +40,10 @@ class WebSocketTransport:
         *,
         reconnect_after_s: float = 55 * 60,  # the server's limit is 60 min (OpenAI, once)
         http_fallback: bool = True,
+        options: dict | None = None,  # `websockets` connect options (timeouts, pings)
     ):
         self.client = client
+        self.options = options or {}
         self.reconnect_after_s = reconnect_after_s
         self.http_fallback = http_fallback
         self.stats = TransportStats()
@@ -138,7 +141,11 @@ class WebSocketTransport:
             self.stats.reconnects += 1
             await self._drop_connection()
         if self._connection is None:
-            manager = self._manager = self.client.responses.connect()
+            # The SDK types only some of the `websockets` options; it passes on all of them.
+            options = cast(Any, self.options)
+            manager = self._manager = self.client.responses.connect(
+                websocket_connection_options=options
+            )
             try:
                 self._connection = await manager.__aenter__()
             except Exception as e:  # noqa: BLE001 - refused, TLS, handshake

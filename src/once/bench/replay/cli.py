@@ -40,6 +40,14 @@ from once.bench.replay.baseline_session import (
     resolve_session_mode,
 )
 from once.bench.replay.cpu import add_cpu_seconds, cpu_line
+from once.bench.replay.failures import (
+    add_failures,
+    collect,
+    compared_calls,
+    failed_report,
+    print_failures,
+    trim,
+)
 from once.bench.replay.kv_pressure import (
     add_kv_pressure_arguments,
     check_kv_pressure_args,
@@ -188,14 +196,15 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"report written to {args.out / 'report.md'}")
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
+    elif report["sessions"]:
         print_summary(report)
         print_second_bar(report, sys.stdout)
         if "kv_pressure" in report:
             print_kv_pressure(report["kv_pressure"], sys.stdout)
         if "pd" in report:
             print(format_pd_section(report["pd"]))
-    return 0
+    print_failures(report, sys.stderr)
+    return 1 if report.get("failures") else 0
 
 
 async def run_replay(sessions, args) -> dict:
@@ -254,6 +263,15 @@ async def run_replay(sessions, args) -> dict:
                     if run in pd_stacks:
                         pd_observed[name] = await pd_observations(stack)
                     block_size = stack.block_size
+    failures = collect(traffic)
+    if failures:  # the ledger over the calls every stack completed (failures.py)
+        measured = records
+        counts = compared_calls(records, [plan.session_id for _, plan in plans])
+        records = trim(records, counts)
+        compared = [(folder, plan) for folder, plan in plans if counts[plan.session_id]]
+        if not compared:
+            return failed_report(args, list(counts), failures, counts, measured)
+        plans = compared
     report = build_report(plans, records, counters, block_size, args)
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
@@ -269,6 +287,8 @@ async def run_replay(sessions, args) -> dict:
         report["kv_pressure"] = kv_pressure_section(plans, records, counters, block_size, args)
     if pd_observed:
         report["pd"] = pd_section(records, pd_observed, args.pd, args.pd_transport)
+    if failures:
+        add_failures(report, failures, counts, measured)
     return report
 
 

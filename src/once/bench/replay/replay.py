@@ -15,7 +15,12 @@ Failover. A call that fails with a retriable error (`engine_unavailable`: a repl
 and the router could not hide it, because output had already streamed) is sent again,
 the same request, up to `MAX_ATTEMPTS` times; the record keeps `retries` and the error
 codes. TTFT and wall time then run from the first attempt, as the agent waited. Any other
-failure raises `ReplayCallError`. Routed stacks also record the `replica` that served it.
+failure (the server's, the transport's, the client's) raises `ReplayCallError`, which names
+the stack, the session and the call, and carries the records of the calls before it.
+Routed stacks also record the `replica` that served it.
+
+A call waits as long as the server takes (timeouts.py); while it waits past a minute,
+`notice` hears about it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from once.agent.transport.base import TransportError, payload_bytes
 from once.agent.transport.rule import full_request_reason, non_input_fields
 from once.bench.replay.plan import SessionPlan
 from once.bench.replay.stacks import Stack
+from once.bench.replay.timeouts import waiting_notices
 from once.protocol.errors import EngineDeadError
 from once.protocol.responses import canonical_json
 
@@ -44,6 +50,11 @@ OPTIONAL_FIELDS = ("replica", "retries", "error_codes")
 
 class ReplayCallError(RuntimeError):
     """A call failed for a reason a retry cannot fix (or failed every attempt)."""
+
+    def __init__(self, message: str, records: list[dict] | None = None, index: int = -1):
+        super().__init__(message)
+        self.records = records or []  # the session's calls measured before this one
+        self.index = index  # the recorded call's index
 
 
 @dataclass
@@ -92,6 +103,7 @@ async def replay_session(
     tool_times_s: list[float] | None = None,
     concurrent: bool = False,
     on_call=None,
+    notice=None,
 ) -> list[dict]:
     """tool_times_s[k]: seconds to wait after call k (the agent running its tool).
 
@@ -108,7 +120,7 @@ async def replay_session(
     returned: dict[int, list[dict]] = {}  # call index -> output items the server returned
     id_map: dict[str, str] = {}  # recorded tool-call id -> the server's
     matches: dict[int, bool] = {}
-    records = []
+    records: list[dict] = []
     # A harness's running estimate of its tools' times (the waits it has seen so far).
     pauses = ToolPauseEstimates() if stack.spec.pause_hints and tool_times_s else None
     try:
@@ -136,9 +148,17 @@ async def replay_session(
                 if not first_event and event.get("type") not in STARTING_EVENTS:
                     first_event.append(time.perf_counter() - started)
 
-            response, error_codes = await _send_with_retries(
-                transport, request, on_event, first_event, f"{plan.session_id} call {call.index}"
-            )
+            what = f"{stack.spec.name}: {plan.session_id} call {call.index}"
+            try:
+                async with waiting_notices(what, notice):
+                    response, error_codes = await _send_with_retries(
+                        transport, request, on_event, first_event, what
+                    )
+            except ReplayCallError as e:
+                raise ReplayCallError(str(e), records, call.index) from e
+            except Exception as e:  # noqa: BLE001 - the client or the connection failed
+                message = f"{what} failed: {type(e).__name__}: {e}"
+                raise ReplayCallError(message, records, call.index) from e
             wall_s = time.perf_counter() - started
             output = response.get("output") or []
             doctor.record_output(output)

@@ -21,6 +21,8 @@ matplotlib.use("Agg")  # files only: no display on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from once.bench.replay.failures import failures_markdown  # noqa: E402
+
 BAR_FACTOR = 1.25  # computed_ratio must stay within 1.25x the ideal ratio
 PLOTS = ("prefill_per_call.png", "cumulative_cost.png", "miss_causes.png")
 
@@ -28,6 +30,15 @@ PLOTS = ("prefill_per_call.png", "cumulative_cost.png", "miss_causes.png")
 def write_report(report: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
+    if not report["sessions"]:  # no call completed on every stack (failures.py)
+        lines = [
+            "# once replay",
+            "",
+            "No call completed on every stack.",
+            *failures_markdown(report),
+        ]
+        (out / "report.md").write_text("\n".join(lines) + "\n")
+        return [out / "report.json", out / "report.md"]
     plot_prefill_per_call(report, out / PLOTS[0])
     plot_cumulative_cost(report, out / PLOTS[1])
     plot_miss_causes(report, out / PLOTS[2])
@@ -66,6 +77,7 @@ def markdown(report: dict) -> str:
         lines += _ablation_section(report["ablation"])
     if report.get("traffic"):
         lines += _traffic_section(report["traffic"])
+    lines += failures_markdown(report)
     lines += ["## Plots", ""]
     lines += [f"![{name.removesuffix('.png')}]({name})" for name in PLOTS]
     return "\n".join(lines) + "\n"

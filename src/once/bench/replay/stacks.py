@@ -29,6 +29,7 @@ import openai
 from once.agent.transport.base import Transport
 from once.bench.replay.forced import ForcedOutputEngine
 from once.bench.replay.replicas import Fleet, open_fleet
+from once.bench.replay.timeouts import PATIENT, ClientTimeouts
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.render import NotIncrementalError
@@ -147,6 +148,7 @@ class Stack:
     builds: LoggingBuilder | None = None
     fleet: Fleet | None = None  # the replicas and router, when the engine is routed
     anthropic_client: anthropic.AsyncAnthropic | None = None  # the Messages API's client
+    timeouts: ClientTimeouts = PATIENT
 
     @property
     def session_namespace(self) -> str:
@@ -184,7 +186,9 @@ class Stack:
             return MessagesTransport(self.anthropic_client)
         if self.spec.websocket:
             # No HTTP fallback: a silent fallback would hide a broken WebSocket path.
-            return WebSocketTransport(self.client, http_fallback=False)
+            return WebSocketTransport(
+                self.client, http_fallback=False, options=self.timeouts.websocket_options()
+            )
         return HttpTransport(self.client)
 
     async def counters(self) -> dict:
@@ -245,13 +249,17 @@ async def open_stack(
     pd_split=None,
     pd_transport: str = "shm",
     pd_shared_kv: bool = False,
+    timeouts: ClientTimeouts = PATIENT,
+    keep_alive_s: float = GatewayConfig.keep_alive_s,
+    wrap_engine=None,
 ) -> AsyncIterator[Stack]:
     """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
     replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
     speed, `replica_threads` threads each) behind a router with `policy`; each stack
     starts its own, so every stack's caches start empty. `kv_tiers`: EngineConfig's kv_*
     settings of the in-process engine. pd = (P, D): the replicas are P prefill and D decode
-    engines (open_fleet)."""
+    engines (open_fleet). `timeouts`: the clients' (timeouts.py); `keep_alive_s`: the
+    gateway's; `wrap_engine`: wraps the engine the gateway reaches (tests: a slow one)."""
     from once.gateway.testing import serve_gateway
 
     builder = runtime.builder
@@ -259,8 +267,15 @@ async def open_stack(
         builder = FullRenderBuilder(builder)
     builds = LoggingBuilder(builder)
     runtime = replace(runtime, builder=builds)
+    # The client shares the gateway's event loop: on a busy machine its reads and writes
+    # may lag by far more than an open server allows a stranger.
     gateway_config = GatewayConfig(
-        store="memory", verify_every=verify_every, max_body_bytes=256 * 1024 * 1024
+        store="memory",
+        verify_every=verify_every,
+        max_body_bytes=256 * 1024 * 1024,
+        keep_alive_s=keep_alive_s,
+        send_timeout_s=timeouts.write_s,
+        body_timeout_s=timeouts.write_s,
     )
     async with contextlib.AsyncExitStack() as stack_of_closers:
         fleet = None
@@ -281,21 +296,23 @@ async def open_stack(
                 spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks, kv_tiers or {}
             )
             stack_of_closers.push_async_callback(engine.close)
-        forced = ForcedOutputEngine(engine)
+        forced = ForcedOutputEngine(engine if wrap_engine is None else wrap_engine(engine))
         url, gateway = await stack_of_closers.enter_async_context(
             serve_gateway(runtime, forced, gateway_config)
         )
         client = openai.AsyncOpenAI(
-            base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=600
+            base_url=f"{url}/v1", api_key="replay", max_retries=0, timeout=timeouts.sdk()
         )
         stack_of_closers.push_async_callback(client.close)
         anthropic_client = None
         if spec.api == "messages":
             anthropic_client = anthropic.AsyncAnthropic(
-                base_url=url, api_key="replay", max_retries=0, timeout=600
+                base_url=url, api_key="replay", max_retries=0, timeout=timeouts.sdk()
             )
             stack_of_closers.push_async_callback(anthropic_client.close)
-        yield Stack(spec, engine, forced, gateway, client, builds, fleet, anthropic_client)
+        yield Stack(
+            spec, engine, forced, gateway, client, builds, fleet, anthropic_client, timeouts
+        )
 
 
 def _in_process_engine(

@@ -4,6 +4,10 @@ With `concurrency` N > 1, up to N sessions run at once on the same stack, each a
 loop: its next call goes out after its previous one finished plus its tool time
 (`pacing.tool_times`, scaled). With pacing `fast` a session sends its next call at once.
 Session i waits for a free slot, so arrivals are as a bounded pool of agents would make.
+
+A session whose call fails (`ReplayCallError`) ends there: its calls before the failure
+are kept and the failure is listed in the traffic facts (`failures`: stack, session,
+call, error); the other sessions go on.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from once.bench.replay.cpu import LayerCpuMeter
 from once.bench.replay.pacing import FAST, tool_times
-from once.bench.replay.replay import replay_session
+from once.bench.replay.replay import ReplayCallError, replay_session
 
 
 @contextlib.contextmanager
@@ -69,6 +73,10 @@ async def replay_sessions(
     origins: dict[str, str] = {}
     cpu = stack_cpu_meter(stack)
     cpu_by_session: dict[str, dict[str, float]] = {}  # sessions one at a time only
+    failures: list[dict] = []
+    notice = log
+    if progress is not None:
+        notice = progress.console.print  # above the live bars
 
     async def one(source_folder, plan):
         waits, origins[plan.session_id] = tool_times(
@@ -77,9 +85,18 @@ async def replay_sessions(
         async with slots:
             started = time.perf_counter()
             before = cpu.snapshot()
-            rows = await replay_session(
-                stack, plan, tool_times_s=waits, concurrent=concurrency > 1, on_call=advance
-            )
+            try:
+                rows = await replay_session(
+                    stack, plan, tool_times_s=waits, concurrent=concurrency > 1,
+                    on_call=advance, notice=notice,
+                )  # fmt: skip
+            except ReplayCallError as e:
+                rows = e.records
+                failures.append(
+                    {"stack": name, "session_id": plan.session_id, "call": e.index, "error": str(e)}
+                )
+                if notice is not None:
+                    notice(f"error: {e}")
             if concurrency == 1:
                 cpu_by_session[plan.session_id] = cpu.between(before, cpu.snapshot())
         for row in rows:
@@ -102,6 +119,7 @@ async def replay_sessions(
     ordered = {plan.session_id: records[plan.session_id] for _, plan in plans}
     facts = {"origins": origins, "stack_wall_s": round(stack_wall_s, 3), "cpu_s": cpu_s}
     facts["cpu_s_by_session"] = cpu_by_session
+    facts["failures"] = failures
     return ordered, facts
 
 
