@@ -97,6 +97,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str | None = "CPU"
+    # Per block, what else went into its hash besides parent and tokens (vLLM >= 0.11
+    # publishes them: the first block's carries the cache salt), or None throughout.
+    extra_keys: list | None = None
 
     def to_dict(self) -> dict:
         return {"type": "BlockStored", **asdict(self)}

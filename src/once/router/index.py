@@ -13,8 +13,10 @@ Both indices answer `match(block_hashes) -> number of leading blocks present`.
   AllBlocksCleared, vLLM's format; the once engine publishes the same). With
   `rehash=True` it re-derives the router's own hash of each stored block from the event's
   token ids and the parent's hash (as Dynamo's indexer does), so it works with an engine
-  whose hash function differs (vLLM's); a cache salt is then invisible and salted prompts
-  never match (a conservative miss). With `rehash=False` the engine's hashes are used as
+  whose hash function differs (vLLM's); the block's `extra_keys` (vLLM publishes the
+  cache salt there) join the hash as once's own hashing adds them, so a tenant's salted
+  prompts match; events without them leave salted prompts unmatched (a conservative miss).
+  With `rehash=False` the engine's hashes are used as
   they are: right for the once engine, which hashes like the router.
 
 KV tiers: events whose medium names a tier below the device pool (HOST, DISK, SHARED, as
@@ -96,6 +98,7 @@ class ExactPrefixIndex:
         self._blocks: dict = {}
         self._router_hashes: dict[int, int] = {}  # router hash -> reference count
         self.num_events = 0
+        self.num_bad_batches = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -163,7 +166,7 @@ class ExactPrefixIndex:
                 continue
             if self.rehash:
                 tokens = event.token_ids[i * size : (i + 1) * size]
-                parent = hash_block_tokens(parent, tokens)
+                parent = hash_block_tokens(parent, tokens, _extra_keys(event, i))
                 router_hash = parent
             else:
                 router_hash = engine_hash
@@ -181,6 +184,13 @@ class ExactPrefixIndex:
             del self._router_hashes[router_hash]
 
 
+def _extra_keys(event: BlockStored, i: int) -> tuple | None:
+    """Block i's extra hash keys as once hashes them: vLLM publishes the cache salt as the
+    first block's `[salt]`, which once hashes as `(salt,)`."""
+    keys = event.extra_keys[i] if event.extra_keys and i < len(event.extra_keys) else None
+    return tuple(keys) if keys else None
+
+
 def event_from_dict(data: dict) -> KVEvent:
     """The inverse of the events' `to_dict` (the once engine's JSON form)."""
     kind = data.get("type")
@@ -192,6 +202,7 @@ def event_from_dict(data: dict) -> KVEvent:
             block_size=int(data["block_size"]),
             lora_id=data.get("lora_id"),
             medium=data.get("medium"),
+            extra_keys=data.get("extra_keys"),
         )
     if kind == "BlockRemoved":
         return BlockRemoved(list(data["block_hashes"]), data.get("medium"))
@@ -201,13 +212,17 @@ def event_from_dict(data: dict) -> KVEvent:
 
 
 def decode_vllm_event_batch(payload: Sequence) -> list[KVEvent]:
-    """One vLLM `KVEventBatch` as msgpack decodes it: `[ts, events, dp_rank?]`, each event
-    `[tag, *fields]` in declaration order, trailing defaults omitted (msgspec
-    `array_like=True, omit_defaults=True, tag=True`; vllm/distributed/kv_events.py)."""
+    """One vLLM `KVEventBatch` as msgpack decodes it: `[ts, events, dp_rank?]`. Each event
+    is a map tagged by `type` (vLLM 0.32: the events are not `array_like`, only the batch
+    is; extra fields such as `group_idx` are ignored) or, from older versions,
+    `[tag, *fields]` in declaration order with trailing defaults omitted."""
     if not isinstance(payload, list | tuple) or len(payload) < 2:
         raise ValueError("a vLLM KV event batch is [ts, events, ...]")
     events: list[KVEvent] = []
     for raw in payload[1]:
+        if isinstance(raw, dict):
+            events.append(event_from_dict(raw))
+            continue
         tag, fields = raw[0], list(raw[1:])
         if tag == "BlockStored":
             fields += [None] * (6 - len(fields))
@@ -239,6 +254,9 @@ async def zmq_event_subscriber(endpoint: str, index: ExactPrefixIndex, topic: st
     try:
         while True:
             frames = await socket.recv_multipart()
-            index.apply(decode_vllm_event_batch(msgpack.unpackb(frames[-1], raw=False)))
+            try:
+                index.apply(decode_vllm_event_batch(msgpack.unpackb(frames[-1], raw=False)))
+            except (ValueError, TypeError, KeyError, IndexError):
+                index.num_bad_batches += 1  # one malformed batch must not stop the feed
     finally:
         socket.close(linger=0)

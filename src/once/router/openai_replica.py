@@ -58,6 +58,8 @@ from once.protocol.errors import (
     InvalidRequestError,
     OnceError,
 )
+from once.router.replicas import ServerLoad
+from once.router.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -283,6 +285,20 @@ class OpenAICompletionsClient:
             raise EngineDeadError(f"cannot reach the replica at {self.base_url}: {exc}") from exc
         if response.status_code != 200:
             raise EngineDeadError(f"replica at {self.base_url} health: {response.status_code}")
+
+    async def metrics(self) -> VllmMetrics:
+        """The server's own `/metrics` (vLLM's names; SGLang's are not mapped)."""
+        try:
+            response = await self._http.get("/metrics")
+        except httpx.TransportError as exc:
+            raise EngineDeadError(f"cannot reach the replica at {self.base_url}: {exc}") from exc
+        if response.status_code != 200:
+            raise error_from_status(response.status_code, response.content)
+        return parse_vllm_metrics(response.text)
+
+    async def server_load(self) -> ServerLoad:
+        metrics = await self.metrics()
+        return ServerLoad(metrics.num_running, metrics.num_waiting, metrics.kv_cache_usage)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -36,7 +36,9 @@ restarted engine has an empty cache and sends no event saying so).
 import asyncio
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics
 from once.router.index import ApproximatePrefixIndex, ExactPrefixIndex
@@ -46,6 +48,20 @@ DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 DEFAULT_DECODE_TOKENS_PER_S = 20.0
 DEFAULT_OUTPUT_TOKENS = 256  # the expected output until finished requests say otherwise
 SPEED_SMOOTHING = 0.2  # weight of a new sample in the moving averages
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """What a replica's server reports of its own load (vLLM: /metrics)."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of its KV pool in use
+
+
+@runtime_checkable
+class ReportsServerLoad(Protocol):
+    async def server_load(self) -> ServerLoad: ...
 
 
 class ReplicaFailure(Exception):
@@ -125,6 +141,7 @@ class Replica:
         kv_blocks_total: int = 2000,
         prefix_index: ApproximatePrefixIndex | ExactPrefixIndex | None = None,
         kv_event_source=None,
+        index_feed: Callable[[ExactPrefixIndex], Awaitable[None]] | None = None,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         live_estimates: bool = True,
@@ -149,6 +166,11 @@ class Replica:
         # A callable returning new KV events (e.g. LLMEngine.take_kv_events) for an exact
         # index fed in process; remote sources push into the index themselves.
         self.kv_event_source = kv_event_source
+        # A coroutine that keeps an exact index current until cancelled (a ZMQ subscriber
+        # to the replica's KV events, router/index.py); the router runs it in the
+        # background from start() until aclose().
+        self.index_feed = index_feed
+        self._feed_task: asyncio.Task | None = None
         self.prefill_meter = PrefillSpeedMeter(prefill_tokens_per_s)
         self.decode_tokens_per_s_per_stream = decode_tokens_per_s
         self.mean_output_tokens = float(DEFAULT_OUTPUT_TOKENS)
@@ -156,6 +178,10 @@ class Replica:
         self.down_reason: str | None = None
         self.down_since: float | None = None
         self.in_flight: dict[str, InFlight] = {}  # in dispatch order
+        # From the server's own report (refresh_server_load): requests it runs or queues
+        # that this router did not send (other routers, direct clients), and its KV use.
+        self.num_external_requests = 0
+        self.server_kv_blocks_used = 0
         # False freezes the queue and speed estimates between first tokens (the
         # simulator's parity check routes a wave that arrives at one instant).
         self.live_estimates = live_estimates
@@ -178,6 +204,20 @@ class Replica:
     def sync_index(self) -> None:
         if self.kv_event_source is not None and isinstance(self.prefix_index, ExactPrefixIndex):
             self.prefix_index.apply(self.kv_event_source())
+
+    def start_index_feed(self) -> None:
+        if self.index_feed is None or not isinstance(self.prefix_index, ExactPrefixIndex):
+            return
+        if self._feed_task is None or self._feed_task.done():
+            self._feed_task = asyncio.get_running_loop().create_task(
+                self.index_feed(self.prefix_index)
+            )
+
+    async def stop_index_feed(self) -> None:
+        task, self._feed_task = self._feed_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def num_cached_blocks(self, block_hashes: tuple[int, ...], num_prompt_tokens: int) -> int:
         # An engine always computes the last prompt token (its logits give the first output
@@ -240,10 +280,10 @@ class Replica:
             index=self.index,
             name=self.name,
             healthy=self.healthy,
-            num_running=len(self.in_flight),
+            num_running=len(self.in_flight) + self.num_external_requests,
             num_queued_prefill_tokens=self.num_queued_prefill_tokens(now, speed),
             num_decode_tokens=sum(f.num_decode_tokens for f in flights),
-            kv_blocks_used=sum(f.num_blocks for f in flights),
+            kv_blocks_used=max(sum(f.num_blocks for f in flights), self.server_kv_blocks_used),
             kv_blocks_total=self.kv_blocks_total,
             cached_prefix_blocks=cached,
             tier_prefix_blocks=tier_blocks,
@@ -357,6 +397,22 @@ class Replica:
         except Exception:  # any failure of the probe (timeout included) keeps it down
             return False
 
+    async def refresh_server_load(self, timeout_s: float = 5.0) -> bool:
+        """Read the server's own load when its client reports one; False when it did not
+        answer (the health loop, not this, decides whether the replica is down)."""
+        if not isinstance(self.client, ReportsServerLoad):
+            return False
+        try:
+            load = await asyncio.wait_for(self.client.server_load(), timeout_s)
+        except Exception:  # a slow or failed scrape keeps the last figures
+            return False
+        # The server counts this router's requests too: only the excess is someone else's.
+        self.num_external_requests = max(
+            0, load.num_running + load.num_waiting - len(self.in_flight)
+        )
+        self.server_kv_blocks_used = round(load.kv_cache_usage * self.kv_blocks_total)
+        return True
+
     def mark_up(self) -> None:
         if not self.healthy:
             self.healthy = True
@@ -375,6 +431,7 @@ class Replica:
             "num_queued_prefill_tokens": view.num_queued_prefill_tokens,
             "num_decode_tokens": view.num_decode_tokens,
             "kv_blocks_used": view.kv_blocks_used,
+            "num_external_requests": self.num_external_requests,
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
             "decode_tokens_per_s_per_stream": round(self.decode_tokens_per_s_per_stream, 2),
             "prefix_index": self.prefix_index.kind,

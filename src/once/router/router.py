@@ -243,16 +243,26 @@ class Router:
     # -- health -----------------------------------------------------------------------------
 
     async def check_replicas(self) -> None:
-        """One health pass: probe every down replica at once; the ones that answer rejoin."""
+        """One health pass: probe every down replica at once (the ones that answer rejoin)
+        and read the others' own load where their servers report it (vLLM's /metrics)."""
         down = [replica for replica in self.replicas if not replica.healthy]
+        up = [replica for replica in self.replicas if replica.healthy]
+        timeout = self.config.probe_timeout_s
         results = await asyncio.gather(
-            *(replica.probe(self.config.probe_timeout_s) for replica in down)
+            *(replica.probe(timeout) for replica in down),
+            *(replica.refresh_server_load(timeout) for replica in up),
         )
-        for replica, alive in zip(down, results, strict=True):
+        for replica, alive in zip(down, results[: len(down)], strict=True):
             if alive:
                 replica.mark_up()
 
+    async def start(self) -> None:
+        """Start the background work (health loop, KV-event feeds) before the first request,
+        so the indices see the replicas' caches fill from the start."""
+        self._ensure_health_loop()
+
     async def aclose(self) -> None:
+        await asyncio.gather(*(replica.stop_index_feed() for replica in self.replicas))
         if self._health_task is not None:
             self._health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -263,6 +273,8 @@ class Router:
     def _ensure_health_loop(self) -> None:
         if self._health_task is None or self._health_task.done():
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        for replica in self.replicas:
+            replica.start_index_feed()
 
     async def _health_loop(self) -> None:
         while True:

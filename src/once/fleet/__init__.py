@@ -1,0 +1,1 @@
+"""once in front of live vLLM servers: starting them, reading their metrics, the fleet command."""

