@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 DEFAULT_STORE = "sqlite:///" + str(Path.home() / ".cache" / "once" / "gateway" / "responses.db")
+DEFAULT_MAX_OUTPUT_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -17,8 +18,11 @@ class GatewayConfig:
     engine_url: str | None = None  # remote `once engine` replicas; None: embedded engine
     max_model_len: int | None = None  # None: the engine's (embedded) or the model's config
     max_body_bytes: int = 32 * 1024 * 1024
-    # The output budget of a request that sets none; 0: up to the context, as the APIs do.
-    default_max_output_tokens: int = 0
+    # The output limit of a request that sets none (always cut to the context's room); 0:
+    # up to the context. OpenAI's API caps a model's output at its own maximum, Anthropic's
+    # needs a limit in every request: 4096 (the maximum output of gpt-4-turbo and the
+    # Claude 3 models) keeps a model that never says eos from running to a 32k context.
+    default_max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
     api_keys_file: str | None = None  # None: no auth, every caller is tenant "default"
     rate_limit_storage: str = "memory://"  # or redis://host:port
     redis_timeout_s: float = 5.0  # each call to a Redis (store or rate limits), then an error

@@ -50,8 +50,7 @@ def check_semantics(
             "the input must contain the word 'json' to use text.format 'json_object'",
             param="text.format",
         )
-    if request.max_output_tokens is not None and request.max_output_tokens < 1:
-        raise InvalidRequestError("max_output_tokens must be >= 1", param="max_output_tokens")
+    check_output_limit(request, model)
     if request.temperature is not None and not 0 <= request.temperature <= 2:
         raise InvalidRequestError("temperature must be in [0, 2]", param="temperature")
     if request.top_p is not None and not 0 < request.top_p <= 1:
@@ -75,6 +74,23 @@ def check_semantics(
                     "file inputs are not supported", param=f"input[{i}].content[{j}]"
                 )
     return model
+
+
+def check_output_limit(request: ResponsesRequest, model: ModelRuntime) -> None:
+    """At least 1, at most the model's context (its longest possible output), as OpenAI
+    and Anthropic refuse a limit above a model's maximum output. A limit that fits the
+    context but not beside this prompt is cut to the room left (finish "length")."""
+    limit, param = request.max_output_tokens, request.max_output_tokens_param
+    if limit is None:
+        return
+    if limit < 1:
+        raise InvalidRequestError(f"{param} must be >= 1, got {limit}", param=param)
+    if limit > model.max_model_len:
+        raise InvalidRequestError(
+            f"{param} is too large: {limit}. The model {model.name!r} supports at most "
+            f"{model.max_model_len} output tokens (its context length)",
+            param=param,
+        )
 
 
 def check_tool_choice(request: ResponsesRequest) -> None:

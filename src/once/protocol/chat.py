@@ -112,9 +112,11 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
             "'messages' must contain the word 'json' to use response_format 'json_object'",
             param="messages",
         )
-    max_tokens = body.get("max_completion_tokens")
+    max_tokens_param = "max_completion_tokens"
+    max_tokens = body.get(max_tokens_param)
     if max_tokens is None:
-        max_tokens = body.get("max_tokens")
+        max_tokens_param = "max_tokens"
+        max_tokens = body.get(max_tokens_param)
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if len(stops) > MAX_STOP_SEQUENCES or any(not s for s in stops):
@@ -131,6 +133,7 @@ def parse_chat_request(body: Any) -> ResponsesRequest:
         store=False,
         stream=bool(body.get("stream")),
         max_output_tokens=max_tokens,
+        max_output_tokens_param=max_tokens_param,
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
         prompt_cache_key=body.get("prompt_cache_key"),

@@ -114,6 +114,7 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
         store=False,
         stream=bool(body.get("stream")),
         max_output_tokens=body["max_tokens"],
+        max_output_tokens_param="max_tokens",
         temperature=body.get("temperature"),
         top_p=body.get("top_p"),
         top_k=body.get("top_k"),

@@ -44,6 +44,9 @@ class ResponsesRequest:
     store: bool = True
     stream: bool = False
     max_output_tokens: int | None = None
+    # The API's own name for max_output_tokens, so that an error names what the client sent
+    # (Chat: max_completion_tokens or max_tokens; Messages: max_tokens).
+    max_output_tokens_param: str = "max_output_tokens"
     temperature: float | None = None
     top_p: float | None = None
     prompt_cache_key: str | None = None
