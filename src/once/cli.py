@@ -189,6 +189,8 @@ def _gateway_config(args):
         port=args.port,
         model=args.model,
         engine_url=args.engine_url,
+        openai_url=args.openai_url,
+        openai_model=args.openai_model,
         max_model_len=args.max_model_len,
         api_keys_file=args.api_keys,
         store=args.store,
@@ -223,22 +225,8 @@ def build_gateway(config, engine_config, registry=None):
     from once.gateway.safety import build_safety_checker
     from once.protocol import responses
 
-    if config.engine_url:
-        from once.engine.client import RemoteEngineClient
-        from once.engine.models.config import ModelConfig
-        from once.model_files import locate_model, read_hf_config
-
-        engine = RemoteEngineClient(config.engine_url)
-        location = locate_model(config.model)
-        if location.converted:
-            folder = location.folder
-        else:
-            from once.engine.loader import resolve_model_path  # converts the GGUF: torch
-
-            folder = resolve_model_path(config.model)
-        max_len = config.max_model_len or (
-            ModelConfig.from_hf(read_hf_config(folder)).max_position_embeddings
-        )
+    if config.engine_url or config.openai_url:
+        engine, folder, max_len = _remote_engine(config)
     else:
         from once.engine.async_engine import AsyncEngine
 
@@ -256,6 +244,35 @@ def build_gateway(config, engine_config, registry=None):
     model = ModelRuntime.load(config.model, folder, max_len, safety=safety)
     responses.warm_up()
     return create_gateway(config, engine, {config.model: model}, registry)
+
+
+def _remote_engine(config):
+    """The engine client, model folder and context length of a gateway whose engine is a
+    server: a `once engine` or router (`engine_url`), or vLLM (`openai_url`, sent token
+    ids, its context length and served name read from its /v1/models)."""
+    from once.engine.models.config import ModelConfig
+    from once.model_files import locate_model, read_hf_config
+
+    location = locate_model(config.model)
+    if location.converted:
+        folder = location.folder
+    else:
+        from once.engine.loader import resolve_model_path  # converts the GGUF: torch
+
+        folder = resolve_model_path(config.model)
+    max_len = config.max_model_len
+    if config.openai_url:
+        from once.router.openai_replica import OpenAICompletionsClient, served_model
+
+        name, served_len = served_model(config.openai_url, config.openai_model)
+        engine = OpenAICompletionsClient(config.openai_url, name)
+        max_len = max_len or served_len
+    else:
+        from once.engine.client import RemoteEngineClient
+
+        engine = RemoteEngineClient(config.engine_url)
+    max_len = max_len or ModelConfig.from_hf(read_hf_config(folder)).max_position_embeddings
+    return engine, folder, max_len
 
 
 def cmd_serve(args) -> int:
@@ -378,7 +395,9 @@ def main(argv=None) -> int:
     serve.add_argument("--config", default=None, help="TOML file with a [gateway] table")
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--engine-url", default=None, help="a `once engine` server instead")
+    serve.add_argument("--engine-url", default=None, help="a `once engine` or router instead")
+    serve.add_argument("--openai-url", default=None, help="a vLLM server instead (token ids)")
+    serve.add_argument("--openai-model", default=None, help="its served name (default: asked)")
     serve.add_argument("--api-keys", default=None, help="TOML file of API keys per tenant")
     serve.add_argument("--store", default=None, help="sqlite:///path.db | memory | redis://...")
     serve.add_argument("--safety-policy", choices=["stream", "hold"], default=None)

@@ -15,6 +15,7 @@ build looks for a distribution named `vllm` and fails) bound to 127.0.0.1, with:
 - `--kv-cache-memory-bytes`: a bounded KV cache (`VLLM_CPU_KVCACHE_SPACE` is whole GiB);
 - KV events published on an `ipc://` socket in the server's own temporary folder (vLLM
   binds `*`, `::` and ipc endpoints and connects to any other, so ipc keeps it local);
+- llguidance for structured outputs (openai_replica.py says why);
 - `VLLM_SERVER_DEV_MODE=1` for `/reset_prefix_cache` (a replay empties caches between
   the stacks it compares).
 A server runs in its own session (so a kill takes its engine-core and worker processes
@@ -135,6 +136,8 @@ class VllmServer:
             "--kv-cache-memory-bytes", str(spec.kv_cache_mib * 2**20),
             "--enforce-eager",
             "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
+            # llguidance, as once's engine: it reads the gateway's grammars as they are.
+            "--structured-outputs-config", '{"backend": "guidance"}',
         ]  # fmt: skip
         command.append(
             "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching"

@@ -16,6 +16,10 @@ class GatewayConfig:
     port: int = 8000
     model: str = "smollm2-135m-instruct"  # the name clients send; resolved to a local folder
     engine_url: str | None = None  # remote `once engine` replicas; None: embedded engine
+    # An OpenAI-compatible server (vLLM) fed token ids on /v1/completions instead; its
+    # served model name (None: the first of its /v1/models).
+    openai_url: str | None = None
+    openai_model: str | None = None
     max_model_len: int | None = None  # None: the engine's (embedded) or the model's config
     max_body_bytes: int = 32 * 1024 * 1024
     # The output limit of a request that sets none (always cut to the context's room); 0:

@@ -18,8 +18,10 @@ the server's own.
 A constraint goes as vLLM's `structured_outputs` object (vLLM >= 0.10.2, the version
 `return_token_ids` needs already; the older `guided_json` / `guided_grammar` /
 `guided_regex` fields were removed in 0.12): `json` (the schema), `json_object`,
-`grammar` (Lark; vLLM's guidance backend reads it as is, its xgrammar backend converts
-it) or `regex`. JSON kinds add `disable_any_whitespace`, as once's engine compiles JSON
+`grammar` (Lark; an llguidance `{"grammars": [...]}` document, such as a forced tool
+call's, goes as its one Lark grammar; vLLM's guidance backend reads llguidance's Lark
+dialect as it is, so a fleet starts vLLM with `--structured-outputs-config '{"backend":
+"guidance"}'`, the library once's engine enforces them with) or `regex`. JSON kinds add `disable_any_whitespace`, as once's engine compiles JSON
 without free whitespace (engine/grammar.py). A forced request sends no constraint: forced
 ids bypass it in once's engine too. SGLang names these fields differently (`json_schema`,
 `regex`, `ebnf`) and is not mapped.
@@ -114,7 +116,22 @@ def structured_outputs(constraint: OutputConstraint) -> dict:
         return {"json_object": True, "disable_any_whitespace": True}
     if constraint.kind == "lark":
         return {"grammar": constraint.text}
+    if constraint.kind == "llguidance":
+        return {"grammar": _single_lark(constraint.text)}
     return {"regex": constraint.text}
+
+
+def _single_lark(document: str) -> str:
+    """The Lark text of an llguidance document holding one Lark grammar (what the gateway
+    builds for tool calls): vLLM takes Lark (llguidance's dialect, `%json` included) but
+    not the document format."""
+    grammars = json.loads(document).get("grammars") or []
+    if len(grammars) != 1 or not isinstance(grammars[0].get("lark_grammar"), str):
+        raise InvalidRequestError(
+            "only single-Lark llguidance grammars can be sent to an OpenAI-compatible replica",
+            param="constraint",
+        )
+    return grammars[0]["lark_grammar"]
 
 
 def error_from_status(status_code: int, body: bytes) -> OnceError:
@@ -177,6 +194,23 @@ def logprobs_of(choice: dict, token_ids: list[int], k: int) -> list[TokenLogprob
         alternatives.sort(key=lambda pair: -pair[1])  # stable: vLLM's order breaks ties
         entries.append(TokenLogprob(token_id, float(value), tuple(alternatives[:k])))
     return entries
+
+
+def served_model(base_url: str, name: str | None = None) -> tuple[str, int | None]:
+    """(served model name, its context length) from the server's /v1/models: the entry
+    named `name`, or the first one. vLLM reports `max_model_len` there."""
+    try:
+        reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=60.0)
+        reply.raise_for_status()
+        models = reply.json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise OnceError(f"cannot list the models of {base_url}: {exc}") from exc
+    for entry in models:
+        if name is None or entry.get("id") == name:
+            length = entry.get("max_model_len")
+            return str(entry.get("id")), int(length) if length else None
+    served = [entry.get("id") for entry in models]
+    raise OnceError(f"{base_url} serves {served}, not {name!r}")
 
 
 class OpenAICompletionsClient:
@@ -308,10 +342,11 @@ class OpenAICompletionsClient:
             chunk = json.loads(data)
         except ValueError as exc:
             raise OnceError(f"replica sent a malformed chunk: {data[:200]!r}") from exc
-        if "error" in chunk:
+        if "error" in chunk:  # vLLM reports a request it cannot serve mid-stream too
             error = chunk["error"]
-            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            raise OnceError(f"replica error: {message}")
+            code = error.get("code") if isinstance(error, dict) else None
+            status = code if isinstance(code, int) else 500
+            raise error_from_status(status, json.dumps(chunk).encode())
         return chunk
 
     def _last_delta(self, request, finish_reason, usage, num_output, arrival, first_token_at):
