@@ -32,7 +32,7 @@ class EngineConfig:
     # engine_overloaded (503, retriable); 0: the queue is unbounded.
     max_num_waiting: int = 0
     enable_prefix_caching: bool = True
-    num_threads: int = 0  # 0: leave torch's default
+    num_threads: int = 0  # 0: the cores this process may use (once.cpus.usable_cores)
     seed: int = 0
     # Speculative decoding: "" (off), "ngram", "suffix" or "draft" (needs draft_model).
     speculative_method: str = ""

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from once.cpus import usable_cores
 from once.engine.attention import PagedKVCache
 from once.engine.config import (
     EngineConfig,
@@ -69,8 +70,8 @@ class LLMEngine:
     ):
         from once.engine.loader import load_model_weights, resolve_model_path
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # 0: the cores this process may really use (affinity, cgroup quota; cpus.py).
+        torch.set_num_threads(config.num_threads or usable_cores())
         if config.device == "cpu":
             keep_freed_memory()
         self.config = config

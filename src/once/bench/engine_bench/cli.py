@@ -7,19 +7,20 @@ once c8, ...), so a drift in machine load hits both rather than one.
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from once.bench.engine_bench import hf_baseline, llama_cpp_side, once_side, report
+from once.bench.engine_bench import contention, hf_baseline, llama_cpp_side, once_side, report
 from once.bench.engine_bench.workloads import random_prompts
+from once.cpus import usable_cores
 from once.model_files import DEFAULT_MODEL
 
 # src/once/bench/engine_bench/cli.py -> the repository root is four folders up.
 _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_engine.json"
+CONTENTION_OUT = _REPO_ROOT / "results" / "bench_engine_contention.json"
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class BenchOptions:
     ctx_long: int = 8000  # 0: skip the long-context decode measurement
     decode_steps: int = 32  # timed decode steps at the long context
     session: once_side.SessionShape = field(default_factory=once_side.SessionShape)
-    num_threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    num_threads: int = field(default_factory=usable_cores)
     block_size: int = 16
     max_num_batched_tokens: int = 512
     kv_cache_gib: float = 1.0
@@ -189,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-hf", action="store_true", help="measure once only")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results file")
+    p.add_argument("--out", type=Path, default=None, help="results file")
+    contention.add_arguments(p)
     return p
 
 
@@ -221,6 +223,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.contention:
+        return _contention(args)
+    args.out = args.out or DEFAULT_OUT
     try:
         options = options_from_args(args)
         results = run_benchmark(options)
@@ -234,4 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results written to {args.out}", file=sys.stderr)
     if args.json:
         print(text)
+    return 0
+
+
+def _contention(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.output_tokens < 2:
+        print("once bench engine: need --repeats >= 1 and --output-tokens >= 2", file=sys.stderr)
+        return 2
+    results = contention.run(args)
+    out = args.out or CONTENTION_OUT
+    contention.write(results, out)
+    print(contention.render(results), file=sys.stderr)
+    print(f"results written to {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, indent=2))
     return 0
