@@ -166,3 +166,17 @@ async def test_messages_sse_pings_and_the_anthropic_sdk_parses_the_same_message(
     assert names[:first_delta].count("event: ping") >= 3, names
     assert message.content[0].text == TEXT and message.stop_reason == "end_turn"
     assert "ping" not in kinds  # the SDK's high-level stream drops them
+
+
+async def test_keep_alives_between_output_tokens_leave_the_sdk_accumulator_whole(runtime):
+    # A stall mid-output (a slow decode step, a hosted tool) gets keep-alives too; the
+    # SDK's `responses.stream()` folds each `response.in_progress` snapshot into its own.
+    engine = scripted_texts(runtime, [TEXT], token_latency_s=0.3)
+    async with serve_gateway(runtime, engine, config()) as (url, _):
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)
+        async with client, client.responses.stream(model=MODEL, input="Hi") as stream:
+            types = [event.type async for event in stream]
+            final = await stream.get_final_response()
+    first_delta = types.index("response.output_text.delta")
+    assert "response.in_progress" in types[first_delta:], types
+    assert final.output_text == TEXT and final.status == "completed"
