@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
-_CGROUP_V1 = Path("/sys/fs/cgroup/cpu,cpuacct")
+_CGROUP_V1 = Path("/sys/fs/cgroup/cpu")  # v1: quota -1 when unlimited
 
 
 def usable_cores(cgroup_root: Path | None = None) -> int:

@@ -22,9 +22,10 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import prometheus_client
+
+from once.cpus import cpu_quota
 
 STAGES = ("render", "tokenize", "detokenize", "request")
 LOAD_REPORT_HEADER = "endpoint-load-metrics"  # ORCA's name; Envoy and vLLM read and write it
@@ -58,23 +59,8 @@ def usable_cores() -> float:
         cores = float(len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         cores = float(os.cpu_count() or 1)
-    quota = _cgroup_cpu_quota()
+    quota = cpu_quota()
     return min(cores, quota) if quota else cores
-
-
-def _cgroup_cpu_quota() -> float | None:
-    # cgroup v2 cpu.max holds "max 100000" or "150000 100000"; v1 has quota -1 when unlimited.
-    try:
-        v2 = Path("/sys/fs/cgroup/cpu.max")
-        if v2.exists():
-            quota, period = v2.read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        v1 = Path("/sys/fs/cgroup/cpu")
-        quota_us = int((v1 / "cpu.cfs_quota_us").read_text())
-        period_us = int((v1 / "cpu.cfs_period_us").read_text())
-        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
-    except (OSError, ValueError):
-        return None
 
 
 @dataclass

@@ -14,11 +14,11 @@ thread hop (~50-100 us).
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from once.cpus import usable_cores
 from once.gateway.auth import Tenant
 from once.gateway.conversation import ConnectionCache, Conversations
 from once.gateway.hosted import HostedOutcome
@@ -44,7 +44,7 @@ def render_pool() -> ThreadPoolExecutor:
     A pool of its own, not the default executor's 6+ threads: more renders at once than
     spare cores would only take the CPU from the event loop (and lengthen its tail).
     """
-    num_threads = min(4, max(1, len(os.sched_getaffinity(0)) - 1))
+    num_threads = min(4, max(1, usable_cores() - 1))
     return ThreadPoolExecutor(num_threads, thread_name_prefix="once-render")
 
 
