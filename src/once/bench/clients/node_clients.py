@@ -81,8 +81,10 @@ def codex_config(
     websocket: bool = False,
     model: str | None = None,
     mcp_command: list[str] | None = None,
+    provider_options: dict[str, int] | None = None,
 ) -> str:
-    """Codex's config.toml: its defaults, with once as the model provider."""
+    """Codex's config.toml: its defaults, with once as the model provider (plus
+    `provider_options`, e.g. `stream_idle_timeout_ms`)."""
     lines = [f'model = "{model}"'] if model else []
     lines += [
         'model_provider = "once"',
@@ -95,6 +97,7 @@ def codex_config(
     ]
     if websocket:
         lines.append("supports_websockets = true")
+    lines += [f"{key} = {value}" for key, value in (provider_options or {}).items()]
     if mcp_command:
         command, *args = mcp_command
         quoted = ", ".join(f'"{a}"' for a in args)
@@ -121,9 +124,16 @@ async def run_codex(
     model: str | None = None,
     mcp_command: list[str] | None = None,
     timeout_s: float = 180,
+    provider_options: dict[str, int] | None = None,
 ) -> ClientRun:
     home = _home()
-    config = codex_config(base_url, websocket=websocket, model=model, mcp_command=mcp_command)
+    config = codex_config(
+        base_url,
+        websocket=websocket,
+        model=model,
+        mcp_command=mcp_command,
+        provider_options=provider_options,
+    )
     (home / "config.toml").write_text(config)
     env = {"CODEX_HOME": str(home), "ONCE_API_KEY": API_KEY}
     command = [str(binary("codex")), "exec", "--skip-git-repo-check", prompt]
