@@ -38,7 +38,10 @@ POLICIES = {
     "passive": {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"},
     # libgomp's default: a spin count set explicitly keeps once from choosing (cpus.py).
     "spin": {"GOMP_SPINCOUNT": "300000"},
+    # libgomp's own spin when it knows its threads oversubscribe the CPUs: ~20 us here.
+    "short-spin": {"GOMP_SPINCOUNT": "1000"},
 }
+DEFAULT_POLICIES = ("passive", "spin")
 BUSY_LOOP = "while True: pass  # once bench engine --contention"
 
 
@@ -71,18 +74,27 @@ def measure(model: str, num_threads: int, repeats: int, output_tokens: int) -> d
             load = os.getloadavg()[0]
             row: dict = {"busy": num_busy, "load_avg_1m": round(load, 2)}
             for c, batch in prompts.items():
+                cpu_before = _cpu_s()
                 runs = [
                     once_side.measure_throughput(engine, batch, output_tokens)["output_tok_s"]
                     for _ in range(repeats)
                 ]
                 row[f"c{c}_tok_s"] = round(statistics.median(runs), 2)
                 row[f"c{c}_runs"] = [round(r, 2) for r in runs]
+                # The engine's own CPU per output token: what spinning at barriers burns.
+                cpu_ms = 1000 * (_cpu_s() - cpu_before) / (repeats * c * output_tokens)
+                row[f"c{c}_cpu_ms_per_token"] = round(cpu_ms, 2)
             return row
         finally:
             stop(busy)
 
     rows = [condition(0), *(condition(n) for n in BUSY_COUNTS), condition(0)]
     return {"threads": num_threads, "conditions": rows}
+
+
+def _cpu_s() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 def summarize(policy_rows: list[dict], cores: int) -> dict:
@@ -128,7 +140,7 @@ def render(results: dict) -> str:
     lines = [
         f"once bench engine --contention  model={results['model']}  cores={results['cores']}"
         f"  threads={results['threads']}",
-        "policy   busy  load1m  c1 tok/s  c8 tok/s",
+        "policy   busy  load1m  c1 tok/s  c8 tok/s  c8 CPU ms/token",
     ]
     for policy in POLICIES:
         if policy not in results:
@@ -136,7 +148,7 @@ def render(results: dict) -> str:
         for row in results[policy]["conditions"]:
             lines.append(
                 f"{policy:8} {row['busy']:>4}  {row['load_avg_1m']:>6.2f}  {row['c1_tok_s']:>8.1f}"
-                f"  {row['c8_tok_s']:>8.1f}"
+                f"  {row['c8_tok_s']:>8.1f}  {row.get('c8_cpu_ms_per_token', 0):>15.1f}"
             )
         summary = results[policy]
         for n in BUSY_COUNTS:
@@ -152,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("--contention")
     group.add_argument("--contention", action="store_true", help="throughput beside busy loops")
     group.add_argument(
-        "--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES),
+        "--policies", nargs="+", choices=list(POLICIES), default=list(DEFAULT_POLICIES),
         help="OpenMP wait policies to measure, each in its own process (first: headline)",
     )  # fmt: skip
     group.add_argument("--repeats", type=int, default=3, help="runs per condition (median)")
