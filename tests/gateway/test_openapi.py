@@ -161,3 +161,49 @@ async def test_a_405_under_messages_names_the_allowed_methods(runtime):
         response = await client.get("/v1/messages")
     assert response.status_code == 405 and response.headers["allow"] == "POST"
     assert response.json()["type"] == "error"
+
+
+# -- the document agrees with the server (issue 33) --------------------------------------------
+
+CHAT_USER = [{"role": "user", "content": "hi"}]
+AGREEMENT_CASES = [  # (path, the body's component, body): the document and the server agree
+    ("/v1/chat/completions", "CompletionCreateParamsBase", {"messages": []}),
+    ("/v1/messages", "MessageCreateParamsBase", {"messages": [], "max_tokens": 5}),
+    ("/v1/messages/count_tokens", "MessageCountTokensRequest", {"messages": []}),
+    ("/v1/chat/completions", "CompletionCreateParamsBase", {"messages": CHAT_USER, "top_p": 0}),
+    ("/v1/responses", "ResponseCreateParamsBase", {"input": "hi", "top_p": 0}),
+    ("/v1/responses", "ResponseCreateParamsBase", {"input": "hi", "temperature": 2.5}),
+    ("/v1/chat/completions", "CompletionCreateParamsBase", {"messages": CHAT_USER, "top_p": 0.5}),
+    ("/v1/responses", "ResponseCreateParamsBase", {"input": "hi", "top_p": 1}),
+    ("/v1/messages/count_tokens", "MessageCountTokensRequest", {"messages": CHAT_USER}),
+]
+
+
+async def test_the_document_and_the_server_agree_on_bounds(runtime):
+    from jsonschema import Draft202012Validator
+
+    app = gateway_app(runtime)
+    document = await openapi_of(app)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        for path, component, body in AGREEMENT_CASES:
+            body = {"model": MODEL, **body}
+            schema = {"$ref": f"#/components/schemas/{component}", **document}
+            documented = Draft202012Validator(schema).is_valid(body)
+            reply = await client.post(path, json=body)
+            assert reply.status_code in (200, 400), reply.text
+            assert documented == (reply.status_code == 200), (path, body, reply.text)
+
+
+async def test_count_tokens_takes_no_stream_in_the_document_or_the_server(runtime):
+    app = gateway_app(runtime)
+    document = await openapi_of(app)
+    assert (
+        "stream" not in document["components"]["schemas"]["MessageCountTokensRequest"]["properties"]
+    )
+    assert "stream" in document["components"]["schemas"]["MessageCreateParamsBase"]["properties"]
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+        body = {"model": MODEL, "messages": CHAT_USER, "stream": True}
+        reply = await client.post("/v1/messages/count_tokens", json=body)
+    assert reply.status_code == 400 and "stream" in reply.json()["error"]["message"]

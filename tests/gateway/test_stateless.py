@@ -46,7 +46,8 @@ async def test_a_resent_conversation_is_tokenized_from_its_last_kept_state(runti
     first, reply = await respond(gateway, items)
     assert first.built.mode == "full"
     items += reply["output"]  # the client keeps the reply as it came
-    items.append({"type": "function_call_output", "call_id": "c1", "output": "a.py b.py"})
+    call_id = items[-1]["call_id"]  # an output answers a call the conversation holds
+    items.append({"type": "function_call_output", "call_id": call_id, "output": "a.py b.py"})
     second, reply = await respond(gateway, items)
     assert second.built.mode == INCREMENTAL
     assert second.built.num_tokenized < len(second.built.prompt_ids) // 3

@@ -35,7 +35,12 @@ from once.gateway.safety import SafetyVerdict
 from once.gateway.stops import StopMatcher
 from once.gateway.tokens import BuiltPrompt
 from once.gateway.tool_items import call_item, declared_types
-from once.gateway.toolcalls import TextDelta, ToolCallParsed, ToolCallStreamParser
+from once.gateway.toolcalls import (
+    TextDelta,
+    ToolCallMalformed,
+    ToolCallParsed,
+    ToolCallStreamParser,
+)
 from once.gateway.validation import safety_texts
 from once.protocol.engine import (
     FINISH_ABORT,
@@ -245,9 +250,15 @@ class Generation:
         if deltas.empty():
             if check is not None and not check.done():
                 getter = asyncio.ensure_future(deltas.get())
-                done, _ = await asyncio.wait({getter, check}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    done, _ = await asyncio.wait(
+                        {getter, check}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    # Also when this response is cancelled (its client gone): a getter
+                    # left waiting on a queue nothing else holds is destroyed pending.
+                    getter.cancel()  # a no-op once it is done
                 if getter not in done:
-                    getter.cancel()
                     return None
                 items.append(getter.result())
             elif check is not None:
@@ -334,6 +345,8 @@ class Generation:
             events.extend(self._text_events(tail, parser))
         if parser is not None:
             for parsed in parser.finish():
+                if isinstance(parsed, ToolCallMalformed) and self.finish_reason == FINISH_LENGTH:
+                    continue  # a call the output limit cut off: its markup is no text
                 events.extend(self._parsed_events(parsed))
         usage = self.usage()
         self.metrics.record_usage(usage)

@@ -11,7 +11,10 @@ only what the SDK types cannot say, each line with its reason:
 - the Responses body's `model` and `input`, which this server requires (the SDK's type
   makes them optional because the API can take them from a stored prompt);
 - `/v1/messages/count_tokens` takes the Messages body without `max_tokens` (the route
-  validates with the Messages type and fills in `max_tokens`);
+  validates with the Messages type and fills in `max_tokens`) and without `stream`
+  (refused, as Anthropic's count_tokens has none);
+- the bounds the server enforces and the SDK types leave out: a non-empty `messages`
+  (Chat, Messages), `top_p` in (0, 1] and `temperature` in [0, 2] (Responses, Chat);
 - an input-item page's `first_id` / `last_id` are null on an empty page (the SDK types
   them as strings, which no empty page can honestly fill);
 - the error bodies: OpenAI's `{"error": {...}}` with the `code` and `param` this server
@@ -106,11 +109,13 @@ def _adjust(schemas: dict[str, dict]) -> None:
         body["properties"]["stream"] = {"anyOf": [stream_flag, {"type": "null"}]}
     responses = _deref(schemas, "ResponseCreateRequest")
     responses["required"] = sorted({*responses.get("required", ()), "model", "input"})
+    _bounds(schemas)
     messages = _deref(schemas, "MessageCreateRequest")
     schemas["MessageCountTokensRequest"] = {
         **messages,
         "title": "MessageCountTokensRequest",
         "required": [key for key in messages["required"] if key != "max_tokens"],
+        "properties": {k: v for k, v in messages["properties"].items() if k != "stream"},
     }
     page = _deref(schemas, "ResponseItemList")
     for key in ("first_id", "last_id"):
@@ -118,6 +123,21 @@ def _adjust(schemas: dict[str, dict]) -> None:
     schemas.update(_error_bodies(schemas))
     schemas.update(_stream_events())
     schemas.update(_small_bodies())
+
+
+def _bounds(schemas: dict[str, dict]) -> None:
+    # What validation.py and protocol/{chat,messages}.py refuse, said where a client reads.
+    for name in ("ChatCompletionCreateRequest", "MessageCreateRequest"):
+        body = _deref(schemas, name)
+        body["properties"]["messages"] = {**body["properties"]["messages"], "minItems": 1}
+    for name in ("ResponseCreateRequest", "ChatCompletionCreateRequest"):
+        properties = _deref(schemas, name)["properties"]
+        for key, bounds in (
+            ("top_p", {"exclusiveMinimum": 0, "maximum": 1}),
+            ("temperature", {"minimum": 0, "maximum": 2}),
+        ):
+            number = {"type": "number", **bounds}
+            properties[key] = {**properties[key], "anyOf": [number, {"type": "null"}]}
 
 
 def _error_bodies(schemas: dict[str, dict]) -> dict[str, dict]:

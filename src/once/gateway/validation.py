@@ -22,6 +22,7 @@ IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 TEXT_FORMATS = ("text", "json_schema", "json_object")
 FORCEABLE_CHOICES = ("function", "custom", "allowed_tools")
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
+ANSWER_TYPES = ("function_call_output", "custom_tool_call_output")  # of a client's calls
 
 
 def check_semantics(
@@ -58,6 +59,8 @@ def check_semantics(
     # A warm-up may hold no items: Codex prewarms with `input: []` and its tools.
     if not request.input_items and not request.previous_response_id and request.generate:
         raise InvalidRequestError("input must not be empty", param="input")
+    if request.previous_response_id is None:
+        check_call_ids(request.input_items)
     for i, item in enumerate(request.input_items):
         if item["type"] != MESSAGE or isinstance(item.get("content"), str):
             continue
@@ -91,6 +94,24 @@ def check_output_limit(request: ResponsesRequest, model: ModelRuntime) -> None:
             f"{model.max_model_len} output tokens (its context length)",
             param=param,
         )
+
+
+def check_call_ids(items: tuple[dict, ...]) -> None:
+    """A whole conversation (no previous response to hold the calls): a tool's output
+    answers a call that came before it, as OpenAI's API refuses one that answers none."""
+    call_ids: set[str] = set()
+    for i, item in enumerate(items):
+        call_id = item.get("call_id")
+        # A program's nested calls are `<its call_id>#<n>` (program_tool.py): their outputs
+        # may come without the call items (the program is replayed to find them).
+        caller = call_id.split("#", 1)[0] if isinstance(call_id, str) else None
+        if item["type"] in ANSWER_TYPES and call_id not in call_ids and caller not in call_ids:
+            raise InvalidRequestError(
+                f"no tool call found for {item['type']} with call_id {call_id!r}",
+                param=f"input[{i}].call_id",
+            )
+        if call_id is not None:
+            call_ids.add(call_id)
 
 
 def check_tool_choice(request: ResponsesRequest) -> None:

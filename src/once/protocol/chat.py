@@ -177,7 +177,8 @@ def _refuse_unsupported(body: dict) -> None:
 def _items(messages: list[dict]) -> tuple[str | None, tuple[dict, ...]]:
     leading: list[str] = []
     items: list[dict] = []
-    for message in messages:
+    call_ids: set[str] = set()  # of the assistant's tool calls so far
+    for i, message in enumerate(messages):
         role = message["role"]
         if role in ("system", "developer") and not items:
             leading.append(_text(message.get("content")))
@@ -191,6 +192,7 @@ def _items(messages: list[dict]) -> tuple[str | None, tuple[dict, ...]]:
                 items.append({"type": MESSAGE, "role": "assistant", "content": text})
             for call in message.get("tool_calls") or ():
                 function = call.get("function") or {}
+                call_ids.add(call.get("id", ""))
                 items.append(
                     {
                         "type": FUNCTION_CALL,
@@ -202,6 +204,12 @@ def _items(messages: list[dict]) -> tuple[str | None, tuple[dict, ...]]:
         else:  # tool
             output = _text(message.get("content"))
             call_id = message["tool_call_id"]
+            if call_id not in call_ids:  # OpenAI's rule: a tool message answers a call
+                raise InvalidRequestError(
+                    f"messages[{i}] has role 'tool' but answers no preceding tool call "
+                    f"(no assistant tool_calls entry has id {call_id!r})",
+                    param=f"messages[{i}].tool_call_id",
+                )
             items.append({"type": FUNCTION_CALL_OUTPUT, "call_id": call_id, "output": output})
     instructions = "\n\n".join(leading) if leading else None
     return instructions, tuple(items)

@@ -56,13 +56,57 @@ def _adapter(name: str):
     return SdkType(types[name])
 
 
+@functools.cache
+def _block_types() -> dict[str, Any]:
+    """A message's content block types by their `type` (the SDK's MessageContentParam)."""
+    import typing
+
+    from anthropic.types.message_content_param import MessageContentParam
+
+    from once.protocol.schema import types_by_name
+
+    blocks = typing.get_args(MessageContentParam)[1]  # Iterable[Union[...]]
+    return types_by_name(typing.get_args(blocks)[0])
+
+
+@functools.cache
+def _block_adapter(kind: str) -> SdkType:
+    return SdkType(_block_types()[kind])
+
+
+def _check_blocks(content: Any, param: str) -> None:
+    """Each block against its own type, picked by its `type`: checked as the members of
+    one union, a block of an unknown type (or a text block without its text) was reported
+    as missing the `tool_use_id` of the union's last candidate."""
+    if not isinstance(content, list):
+        return  # a string, or not content at all: the message's own check says so
+    for j, block in enumerate(content):
+        if not isinstance(block, dict):
+            raise InvalidRequestError("a content block must be an object", param=f"{param}[{j}]")
+        kind = block.get("type")
+        if kind is None:
+            raise InvalidRequestError(
+                f"missing required parameter: '{param}[{j}].type'", param=f"{param}[{j}].type"
+            )
+        if kind not in _block_types():
+            raise InvalidRequestError(
+                f"unknown content block type {kind!r}; expected one of "
+                f"{', '.join(sorted(_block_types()))}",
+                param=f"{param}[{j}].type",
+            )
+        validate(_block_adapter(kind), block, f"{param}[{j}]", strict=True)
+
+
 def warm_up() -> None:
     for name in ("body", "user", "assistant", "system", "custom"):
         _adapter(name)
 
 
 def parse_count_tokens_request(body: Any) -> ResponsesRequest:
-    """`/v1/messages/count_tokens` takes a Messages body without `max_tokens`."""
+    """`/v1/messages/count_tokens` takes a Messages body without `max_tokens`, and refuses
+    `stream` (Anthropic's count_tokens has none; the OpenAPI document lists none)."""
+    if isinstance(body, dict) and "stream" in body:
+        raise InvalidRequestError("stream: extra inputs are not permitted", param="stream")
     if isinstance(body, dict) and "max_tokens" not in body:
         body = {**body, "max_tokens": 1}
     return parse_messages_request(body)
@@ -90,6 +134,7 @@ def parse_messages_request(body: Any) -> ResponsesRequest:
             raise InvalidRequestError(
                 f"unsupported message role {role!r}", param=f"messages[{i}].role"
             )
+        _check_blocks(message.get("content"), f"messages[{i}].content")
         validate(_adapter(role), message, f"messages[{i}]", strict=True)
     function_tools, ignored = [], []
     for i, tool in enumerate(tools):
@@ -143,7 +188,9 @@ def _check_sampling(body: dict) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise InvalidRequestError(f"{name} must be a number", param=name)
-        if not low <= value <= high or (name == "top_p" and value == 0):
+        if name == "top_p" and not low < value <= high:
+            raise InvalidRequestError(f"top_p must be in (0, {high:g}]", param=name)
+        if not low <= value <= high:
             raise InvalidRequestError(f"{name} must be in [{low:g}, {high:g}]", param=name)
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
@@ -152,19 +199,21 @@ def _check_sampling(body: dict) -> None:
 
 def _items(messages: list[dict]) -> tuple[dict, ...]:
     items: list[dict] = []
-    for message in messages:
+    tool_use_ids: set[str] = set()  # of the tool_use blocks so far
+    for i, message in enumerate(messages):
         role, content = message["role"], message["content"]
         if isinstance(content, str):
             items.append({"type": MESSAGE, "role": role, "content": content})
             continue
         parts: list[dict] = []  # text and images of the message, up to its next tool block
-        for block in content:
+        for j, block in enumerate(content):
             kind = block.get("type")
             if kind == "text":
                 parts.append({"type": "input_text", "text": block["text"]})
             elif kind == "image":
                 parts.append({"type": "input_image", "image_url": _image_url(block)})
             elif kind in ("tool_use", "tool_result"):
+                _check_tool_use_id(block, tool_use_ids, f"messages[{i}].content[{j}]")
                 _flush(items, role, parts)
                 items.append(_tool_item(block))
             elif kind in ("thinking", "redacted_thinking"):
@@ -173,6 +222,18 @@ def _items(messages: list[dict]) -> tuple[dict, ...]:
                 parts.append({"type": "input_file"})
         _flush(items, role, parts)
     return tuple(items)
+
+
+def _check_tool_use_id(block: dict, tool_use_ids: set[str], param: str) -> None:
+    """Anthropic's rule: a tool_result answers a tool_use that came before it."""
+    if block["type"] == "tool_use":
+        tool_use_ids.add(block["id"])
+    elif block["tool_use_id"] not in tool_use_ids:
+        raise InvalidRequestError(
+            f"unexpected `tool_use_id` found in `tool_result` blocks: {block['tool_use_id']}. "
+            "Each `tool_result` block must have a corresponding `tool_use` block before it",
+            param=f"{param}.tool_use_id",
+        )
 
 
 def _flush(items: list[dict], role: str, parts: list[dict]) -> None:
