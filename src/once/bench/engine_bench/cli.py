@@ -12,7 +12,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from once.bench.engine_bench import contention, hf_baseline, llama_cpp_side, once_side, report
+from once.bench.engine_bench import (
+    contention,
+    hf_baseline,
+    llama_cpp_side,
+    once_side,
+    prefill_attention,
+    report,
+)
 from once.bench.engine_bench.workloads import random_prompts
 from once.cpus import usable_cores
 from once.model_files import DEFAULT_MODEL
@@ -99,6 +106,11 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
                 hf_model, prompt, options.decode_steps
             )
     once_res["engine_stats"] = engine.stats()
+    heads = engine.model_config
+    log("prefill attention at 2k and 8k context: once vs torch SDPA ...")
+    once_res["prefill_attention"] = prefill_attention.measure(
+        heads.num_heads, heads.num_kv_heads, heads.head_dim, log
+    )
     del engine, hf_model
     gc.collect()
 

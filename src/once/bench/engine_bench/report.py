@@ -13,6 +13,9 @@ BARS = {
     "step_ratio_b1_ctx8k": ("<=", 0.3),
     "session_computed_over_new": ("<=", 1.15),
     "session_ttft_ratio_20_1": ("<=", 2.0),
+    # Prefill attention, 512-token chunks, once over torch SDPA (prefill_attention.py).
+    "prefill_vs_sdpa_2k": (">=", 1.0),
+    "prefill_vs_sdpa_8k": (">=", 1.0),
 }
 
 
@@ -23,7 +26,7 @@ def _ratio(numerator, denominator):
 
 
 def headline(results: dict) -> dict:
-    """The five headline figures; None where the run did not measure them."""
+    """The headline figures; None where the run did not measure them."""
     once, hf = results["once"], results.get("transformers") or {}
     max_c = max(once["throughput"], key=int, default=None)
     once_c = once["throughput"].get(max_c, {})
@@ -42,6 +45,8 @@ def headline(results: dict) -> dict:
         ),
         "session_computed_over_new": session.get("computed_over_new"),
         "session_ttft_ratio_20_1": session.get("ttft_ratio_last_first"),
+        "prefill_vs_sdpa_2k": (once.get("prefill_attention") or {}).get("prefill_vs_sdpa_2k"),
+        "prefill_vs_sdpa_8k": (once.get("prefill_attention") or {}).get("prefill_vs_sdpa_8k"),
     }
 
 
@@ -129,6 +134,16 @@ def render_table(results: dict) -> str:
             f"prefill tok/s once {_fmt(long_once['prefill_tok_s'])} "
             f"hf {_fmt(long_hf.get('prefill_tok_s'))}"
         )
+    prefill = once.get("prefill_attention") or {}
+    for label in ("2k", "8k"):
+        if f"prefill_vs_sdpa_{label}" in prefill:
+            ways = ("once", "sdpa", "kernel")
+            rates = [prefill.get(f"prefill_attention_tok_s_{label}_{way}", 0) for way in ways]
+            lines.append(
+                f"  prefill attention @ {label} ctx, {prefill['chunk_tokens']}-token chunk, "
+                f"tok/s per layer: once {rates[0]:.0f} torch SDPA {rates[1]:.0f} "
+                f"(C kernel forced {rates[2]:.0f})"
+            )
     session = results.get("session") or {}
     if session:
         lines.append("")
