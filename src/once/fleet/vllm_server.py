@@ -36,8 +36,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -109,7 +109,6 @@ class VllmServer:
     folder: Path  # its log and its KV-events socket
     process: subprocess.Popen | None = None
     num_starts: int = 0
-    _http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=30.0))
 
     @property
     def url(self) -> str:
@@ -184,7 +183,7 @@ class VllmServer:
         except OSError:
             return ""
 
-    async def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    def wait_healthy_blocking(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process is None or self.process.poll() is not None:
@@ -194,14 +193,17 @@ class VllmServer:
                     f"its log ends with:\n{self.log_tail()}"
                 )
             with contextlib.suppress(httpx.HTTPError):
-                if (await self._http.get(f"{self.url}/health", timeout=5.0)).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
                     return
             if time.monotonic() > deadline:
                 raise VllmStartError(
                     f"{self.name} did not answer /health in {timeout_s:.0f} s; its log ends "
                     f"with:\n{self.log_tail()}"
                 )
-            await asyncio.sleep(0.5)
+            time.sleep(0.5)
+
+    async def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        await asyncio.to_thread(self.wait_healthy_blocking, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the server's whole session: it dies mid-request, as a crashed host."""
@@ -210,35 +212,74 @@ class VllmServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
-    async def stop(self) -> None:
+    def stop_blocking(self) -> None:
         process = self.process
         if process is None or process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
         try:
-            await asyncio.to_thread(process.wait, STOP_TIMEOUT_S)
+            process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             self.kill()
 
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.stop_blocking)
+
     async def restart(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Start again on the same port and KV-events socket (a replica coming back)."""
+        """Start again on the same port and KV-events socket (a replica coming back).
+        Started from the caller's thread: a server dies with the thread that forked it."""
         await self.stop()
         self.start()
         await self.wait_healthy(timeout_s)
 
     async def metrics(self) -> VllmMetrics:
-        response = await self._http.get(f"{self.url}/metrics")
+        async with httpx.AsyncClient(timeout=60.0) as http:
+            response = await http.get(f"{self.url}/metrics")
         response.raise_for_status()
         return parse_vllm_metrics(response.text)
 
     async def reset_prefix_cache(self) -> None:
-        response = await self._http.post(f"{self.url}/reset_prefix_cache")
+        async with httpx.AsyncClient(timeout=60.0) as http:
+            response = await http.post(f"{self.url}/reset_prefix_cache")
         response.raise_for_status()
 
-    async def aclose(self) -> None:
-        await self.stop()
-        await self._http.aclose()
+
+def _make_servers(specs: Sequence[VllmSpec], log_folder: Path) -> list[VllmServer]:
+    servers = []
+    for i, spec in enumerate(specs):
+        folder = Path(log_folder) / f"vllm-{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        servers.append(VllmServer(spec, f"vllm-{i}", free_port(), folder))
+    return servers
+
+
+@contextlib.contextmanager
+def vllm_servers(
+    specs: Sequence[VllmSpec],
+    *,
+    log_folder: Path | None = None,
+    startup_timeout_s: float = STARTUP_TIMEOUT_S,
+) -> Iterator[list[VllmServer]]:
+    """One server per spec, named vllm-0..N-1, yielded once every one answers /health;
+    all started at once (they share the cores while they load). Logs go to
+    `log_folder/vllm-i/vllm.log` (a temporary folder when None)."""
+    if vllm_missing_reason():
+        raise VllmUnavailableError(vllm_missing_reason())
+    with contextlib.ExitStack() as folders:
+        if log_folder is None:
+            log_folder = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="vllm-")))
+        servers = _make_servers(specs, log_folder)
+        try:
+            for server in servers:
+                server.start()
+            deadline = time.monotonic() + startup_timeout_s
+            for server in servers:
+                server.wait_healthy_blocking(max(1.0, deadline - time.monotonic()))
+            yield servers
+        finally:
+            for server in servers:
+                server.stop_blocking()
 
 
 @contextlib.asynccontextmanager
@@ -248,22 +289,17 @@ async def start_vllm_servers(
     log_folder: Path | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> AsyncIterator[list[VllmServer]]:
-    """One server per spec, named vllm-0..N-1, yielded once every one answers /health.
-    Logs go to `log_folder/vllm-i/vllm.log` (a temporary folder when None)."""
+    """`vllm_servers` for asyncio: started on the loop's thread, waited for off it."""
     if vllm_missing_reason():
         raise VllmUnavailableError(vllm_missing_reason())
     with contextlib.ExitStack() as folders:
         if log_folder is None:
             log_folder = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="vllm-")))
-        servers: list[VllmServer] = []
+        servers = _make_servers(specs, log_folder)
         try:
-            for i, spec in enumerate(specs):
-                folder = Path(log_folder) / f"vllm-{i}"
-                folder.mkdir(parents=True, exist_ok=True)
-                servers.append(VllmServer(spec, f"vllm-{i}", free_port(), folder))
-                servers[-1].start()
-            # One at a time would double the wait; all at once shares the cores.
+            for server in servers:
+                server.start()
             await asyncio.gather(*(server.wait_healthy(startup_timeout_s) for server in servers))
             yield servers
         finally:
-            await asyncio.gather(*(server.aclose() for server in servers))
+            await asyncio.gather(*(server.stop() for server in servers))
