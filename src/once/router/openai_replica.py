@@ -21,7 +21,8 @@ A constraint goes as vLLM's `structured_outputs` object (vLLM >= 0.10.2, the ver
 `grammar` (Lark; an llguidance `{"grammars": [...]}` document, such as a forced tool
 call's, goes as its one Lark grammar; vLLM's guidance backend reads llguidance's Lark
 dialect as it is, so a fleet starts vLLM with `--structured-outputs-config '{"backend":
-"guidance"}'`, the library once's engine enforces them with) or `regex`. JSON kinds add `disable_any_whitespace`, as once's engine compiles JSON
+"guidance"}'`, the library once's engine enforces them with) or `regex`. JSON kinds
+add `disable_any_whitespace`, as once's engine compiles JSON
 without free whitespace (engine/grammar.py). A forced request sends no constraint: forced
 ids bypass it in once's engine too. SGLang names these fields differently (`json_schema`,
 `regex`, `ebnf`) and is not mapped.
