@@ -36,9 +36,9 @@ restarted engine has an empty cache and sends no event saying so).
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from once.protocol.engine import EngineClient, GenerateRequest, RequestMetrics
 from once.router.index import ApproximatePrefixIndex, ExactPrefixIndex
@@ -141,7 +141,7 @@ class Replica:
         kv_blocks_total: int = 2000,
         prefix_index: ApproximatePrefixIndex | ExactPrefixIndex | None = None,
         kv_event_source=None,
-        index_feed: Callable[[ExactPrefixIndex], Awaitable[None]] | None = None,
+        index_feed: Callable[[ExactPrefixIndex], Coroutine[Any, Any, None]] | None = None,
         prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         live_estimates: bool = True,

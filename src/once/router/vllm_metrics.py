@@ -66,17 +66,31 @@ _SUMS = {
 
 def parse_vllm_metrics(text: str) -> VllmMetrics:
     sums: dict[str, float] = {}
-    layout: dict[str, int | None] = {"block_size": None, "num_blocks": None}
+    block_size: int | None = None
+    num_blocks: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             field_name = _SUMS.get(sample.name)
             if field_name is not None:
                 sums[field_name] = sums.get(field_name, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
-                layout["block_size"] = _int_label(sample.labels, "block_size")
-                layout["num_blocks"] = _int_label(sample.labels, "num_gpu_blocks")
-    ints = {name: round(value) for name, value in sums.items() if name != "kv_cache_usage"}
-    return VllmMetrics(**ints, kv_cache_usage=float(sums.get("kv_cache_usage", 0.0)), **layout)
+                block_size = _int_label(sample.labels, "block_size")
+                num_blocks = _int_label(sample.labels, "num_gpu_blocks")
+
+    def count(name: str) -> int:
+        return round(sums.get(name, 0.0))
+
+    return VllmMetrics(
+        num_running=count("num_running"),
+        num_waiting=count("num_waiting"),
+        kv_cache_usage=float(sums.get("kv_cache_usage", 0.0)),
+        prefix_cache_queries=count("prefix_cache_queries"),
+        prefix_cache_hits=count("prefix_cache_hits"),
+        prompt_tokens=count("prompt_tokens"),
+        generation_tokens=count("generation_tokens"),
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
