@@ -4,6 +4,8 @@
   (a fraction in [0, 1] despite its name);
 - its prefix cache: `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total`
   (tokens looked up and tokens found), and `vllm:prompt_tokens_total`;
+- work done: `vllm:generation_tokens_total`, `vllm:request_success_total` (every finish
+  reason) and `vllm:num_preemptions_total`;
 - its KV layout: `vllm:cache_config_info`'s labels `block_size` and `num_gpu_blocks`
   (the CPU build names its pool "gpu" blocks too).
 Counters are summed over the label sets vLLM reports (one per engine); the parser is
@@ -26,6 +28,8 @@ class VllmMetrics:
     prefix_cache_hits: int = 0  # of which found
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    requests_finished: int = 0  # over every finish reason
+    preemptions: int = 0
     block_size: int | None = None
     num_blocks: int | None = None
 
@@ -47,6 +51,8 @@ class VllmMetrics:
             prefix_cache_hits=self.prefix_cache_hits - earlier.prefix_cache_hits,
             prompt_tokens=self.prompt_tokens - earlier.prompt_tokens,
             generation_tokens=self.generation_tokens - earlier.generation_tokens,
+            requests_finished=self.requests_finished - earlier.requests_finished,
+            preemptions=self.preemptions - earlier.preemptions,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
         )
@@ -61,6 +67,8 @@ _SUMS = {
     "vllm:prefix_cache_hits_total": "prefix_cache_hits",
     "vllm:prompt_tokens_total": "prompt_tokens",
     "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:request_success_total": "requests_finished",
+    "vllm:num_preemptions_total": "preemptions",
 }
 
 
@@ -88,6 +96,8 @@ def parse_vllm_metrics(text: str) -> VllmMetrics:
         prefix_cache_hits=count("prefix_cache_hits"),
         prompt_tokens=count("prompt_tokens"),
         generation_tokens=count("generation_tokens"),
+        requests_finished=count("requests_finished"),
+        preemptions=count("preemptions"),
         block_size=block_size,
         num_blocks=num_blocks,
     )

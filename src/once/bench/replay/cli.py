@@ -17,6 +17,12 @@ one in-process engine as the reference for cached tokens; every stack gets fresh
 replicas. The JSON gains a `routing` section (routing.py). A call that fails with
 `engine_unavailable` (a replica died mid-response) is retried, at most 3 sends.
 
+Live vLLM (`--engine vllm`, N >= 1): the routed stacks run over N live vLLM servers
+(vllm_pool.py; `make vllm` installs vLLM) instead of `once engine` processes, started once
+and emptied between stacks; `--vllm-kv-mib` sizes each one's KV cache (default: one
+request of --max-model-len, +10%). The JSON's `routing` section gains vLLM's own counters
+per policy and `vllm_live: true`.
+
 Disaggregation (`--pd P:D`): two more once stacks, colocated over P + D engine processes
 and over P prefill and D decode engines; the JSON gains a `pd` section (pd.py).
 """
@@ -25,7 +31,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import math
 import sys
 import tempfile
 from dataclasses import replace
@@ -84,6 +92,7 @@ from once.bench.replay.stacks import (
     stacks_for,
 )
 from once.bench.replay.traffic import progress_bars, replay_sessions
+from once.bench.replay.vllm_pool import open_vllm_pool
 from once.router.policies import POLICIES
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -149,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="routing policies of the once stack (once, and the ones compared with it)",
     )
     routing.add_argument("--replica-threads", type=int, help="default: cores // --replicas")
+    routing.add_argument(
+        "--engine",
+        choices=["once", "vllm"],
+        default="once",
+        help="what the replicas are: once engine processes, or live vLLM servers",
+    )
+    routing.add_argument("--vllm-kv-mib", type=int, help="each vLLM server's KV cache (MiB)")
     add_kv_pressure_arguments(parser)
     add_pd_arguments(parser)
     return parser
@@ -164,7 +180,14 @@ def check_routing_args(args) -> str | None:
         return "--slowdown must be >= 1.0"
     if ONCE_POLICY not in args.policies:
         return "--policies must include once (the stack the ledger reports)"
-    if args.replicas == 1 and (args.slow_replicas or args.policies != [ONCE_POLICY]):
+    if args.engine == "vllm":
+        if args.slow_replicas:
+            return "--slow-replicas needs --engine once (vLLM servers cannot be throttled)"
+        if getattr(args, "pd", None) or getattr(args, "kv_blocks", None) is not None:
+            return "--pd and --kv-blocks need --engine once"
+        if args.vllm_kv_mib is not None and args.vllm_kv_mib < 1:
+            return "--vllm-kv-mib must be >= 1"
+    elif args.replicas == 1 and (args.slow_replicas or args.policies != [ONCE_POLICY]):
         return "--slow-replicas and --policies need --replicas > 1"
     if args.replica_threads is not None and args.replica_threads < 1:
         return "--replica-threads must be >= 1"
@@ -241,28 +264,32 @@ async def run_replay(sessions, args) -> dict:
             threads = getattr(args, "replica_threads", None) or default_replica_threads(sum(pd))
             pd_stacks = pd_runs(args, threads)
             runs += pd_stacks
-        with progress_bars(not getattr(args, "no_progress", True)) as progress:
-            for run in runs:
-                name = run.spec.name
-                async with open_stack(
-                    run.spec, runtime, folder, max_model_len=args.max_model_len,
-                    kv_cache_gib=args.kv_cache_gib, **run.options,
-                ) as stack:  # fmt: skip
-                    records[name], traffic[name] = await replay_sessions(
-                        stack,
-                        plans,
-                        concurrency=getattr(args, "concurrency", 1),
-                        pacing=getattr(args, "pacing", FAST),
-                        time_scale=getattr(args, "time_scale", 1.0),
-                        progress=progress,
-                        log=None if progress is not None else _log,
-                    )
-                    counters[name] = await stack.counters()
-                    if stack.fleet is not None:
-                        routing_stats[name] = await stack.fleet.routing_stats()
-                    if run in pd_stacks:
-                        pd_observed[name] = await pd_observations(stack)
-                    block_size = stack.block_size
+        async with contextlib.AsyncExitStack() as pools:
+            if getattr(args, "engine", "once") == "vllm":
+                pool = await pools.enter_async_context(open_pool(args, folder, Path(tmp)))
+                runs = [with_pool(run, pool) for run in runs]
+            with progress_bars(not getattr(args, "no_progress", True)) as progress:
+                for run in runs:
+                    name = run.spec.name
+                    async with open_stack(
+                        run.spec, runtime, folder, max_model_len=args.max_model_len,
+                        kv_cache_gib=args.kv_cache_gib, **run.options,
+                    ) as stack:  # fmt: skip
+                        records[name], traffic[name] = await replay_sessions(
+                            stack,
+                            plans,
+                            concurrency=getattr(args, "concurrency", 1),
+                            pacing=getattr(args, "pacing", FAST),
+                            time_scale=getattr(args, "time_scale", 1.0),
+                            progress=progress,
+                            log=None if progress is not None else _log,
+                        )
+                        counters[name] = await stack.counters()
+                        if stack.fleet is not None:
+                            routing_stats[name] = await stack.fleet.routing_stats()
+                        if run in pd_stacks:
+                            pd_observed[name] = await pd_observations(stack)
+                        block_size = stack.block_size
     failures = collect(traffic)
     if failures:  # the ledger over the calls every stack completed (failures.py)
         measured = records
@@ -276,12 +303,14 @@ async def run_replay(sessions, args) -> dict:
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
+    if getattr(args, "engine", "once") == "vllm":
+        report["vllm_live"] = True
     if getattr(args, "api", APIS[0]) != APIS[0]:
         report["api"] = args.api
     specs = {run.spec.name: run.spec for run in runs}
     ablations = [name for name in ABLATIONS if name in specs]
     add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args, ablations)
-    if getattr(args, "replicas", 1) > 1:
+    if getattr(args, "replicas", 1) > 1 or getattr(args, "engine", "once") == "vllm":
         report["routing"] = routing_section(runs, records, routing_stats)
     if getattr(args, "kv_blocks", None) is not None:
         report["kv_pressure"] = kv_pressure_section(plans, records, counters, block_size, args)
@@ -295,7 +324,7 @@ async def run_replay(sessions, args) -> dict:
 def stack_runs(args) -> list[StackRun]:
     """once and naive (one engine each, or routed over replicas), then the ablations."""
     replicas = getattr(args, "replicas", 1)
-    if replicas > 1:
+    if replicas > 1 or getattr(args, "engine", "once") == "vllm":
         threads = getattr(args, "replica_threads", None) or default_replica_threads(replicas)
         runs = routed_runs(
             args.policies, replicas=replicas, slow_replicas=args.slow_replicas,
@@ -321,6 +350,27 @@ def stack_runs(args) -> list[StackRun]:
             for run in runs
         ]
     return runs
+
+
+def open_pool(args, folder: Path, tmp: Path):
+    """The live vLLM servers of `--engine vllm`, their logs in `tmp`."""
+    mib = args.vllm_kv_mib or math.ceil(kv_cache_gib_for(folder, args.max_model_len) * 1024)
+    return open_vllm_pool(
+        folder,
+        count=args.replicas,
+        served_model=TOKENIZER_MODEL,
+        threads=args.replica_threads or default_replica_threads(args.replicas),
+        max_model_len=args.max_model_len,
+        kv_cache_mib=mib,
+        log_folder=tmp / "vllm",
+    )
+
+
+def with_pool(run: StackRun, pool) -> StackRun:
+    """A routed stack over the pool's servers (the in-process reference stays as it is)."""
+    if run.policy is None:
+        return run
+    return replace(run, options={**run.options, "vllm_pool": pool})
 
 
 def add_ablation_and_traffic(

@@ -7,6 +7,10 @@ next recorded output of that session, in call order. It also keeps, per request,
 prompt the engine received and the engine's own accounting (`RequestMetrics`), which is
 what the ledger's inference layer is built from.
 
+Where the engine cannot be handed output ids (an OpenAI-compatible server such as vLLM),
+`as_constraint` turns the forced ids into a constraint instead (vllm_pool.py's literal
+grammar of their text), decoded greedily: the engine produces the recorded text itself.
+
 A request that ends before it finished (an exception such as `EngineDeadError` from a
 dead replica, a finish reason `error` or `abort`, or the caller going away) puts its
 forced output back at the front of its session's queue: the caller's retry of the same
@@ -18,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from once.protocol.engine import (
@@ -26,6 +30,7 @@ from once.protocol.engine import (
     FINISH_ERROR,
     EngineClient,
     GenerateRequest,
+    OutputConstraint,
     RequestMetrics,
     TokenDelta,
 )
@@ -45,8 +50,13 @@ class EngineRecord:
 
 
 class ForcedOutputEngine:
-    def __init__(self, inner: EngineClient):
+    def __init__(
+        self,
+        inner: EngineClient,
+        as_constraint: Callable[[Sequence[int]], OutputConstraint] | None = None,
+    ):
         self.inner = inner
+        self.as_constraint = as_constraint
         self._outputs: dict[str, deque[tuple[int, ...]]] = {}
         self.records: list[EngineRecord] = []
         # Inter-token latency as the gateway sees it: per output token after a request's
@@ -74,7 +84,7 @@ class ForcedOutputEngine:
         self.records.append(record)
         started = time.perf_counter()
         last_token_at: float | None = None
-        forced_request = replace(request, forced_output_ids=forced)
+        forced_request = self._forcing(request, forced)
         completed = False
         try:
             # aclosing: closed with this generator, the inner stream (a routed request's
@@ -102,6 +112,12 @@ class ForcedOutputEngine:
         finally:
             if not completed:  # the call will be retried: it must force the same output
                 queue.appendleft(forced)
+
+    def _forcing(self, request: GenerateRequest, forced: tuple[int, ...]) -> GenerateRequest:
+        if self.as_constraint is None:
+            return replace(request, forced_output_ids=forced)
+        sampling = replace(request.sampling, constraint=self.as_constraint(forced), temperature=0.0)
+        return replace(request, sampling=sampling)
 
     def last_record(self, session_key: str) -> EngineRecord:
         """The newest request of one session (sessions may run at once)."""

@@ -242,6 +242,9 @@ class Fleet:
     def slow_names(self) -> list[str]:
         return [p.name for p in self.processes if p.slowdown > 1.0]
 
+    def replica_pids(self) -> list[int]:
+        return [p.process.pid for p in self.processes]
+
     async def engine_stats(self) -> dict:
         """The replicas' engine counters summed. A replica that does not answer (killed)
         counts with its last answered stats, so the sums never go back."""

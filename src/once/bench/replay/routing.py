@@ -13,6 +13,14 @@ The `routing` section puts the policies side by side: cached and computed prompt
 client TTFT p50/p90, requests per replica, retries; and the three figures of the live bar:
 `cached_ratio_vs_single` (once / single replica), `p90_ttft_ratio_vs_session_affinity`
 and `p90_ttft_ratio_vs_round_robin` (once's p90 / theirs).
+
+Over live vLLM servers (`--engine vllm`, vllm_pool.py) every policy runs on the same
+servers, caches emptied between stacks, and the naive stack is round-robin with no
+prefix reuse. Each policy then also has vLLM's own figures (`vllm`: prefix-cache queries
+and hits, `hit_ratio`, prompt tokens computed) and the bar is vLLM's: once's hit ratio
+>= 1.3 x round-robin's, its p90 TTFT <= 0.8 x round-robin's, and the prompt tokens vLLM
+computed under once <= 1.02 x what once's own engine computes for the same calls
+(`computed_ratio_vs_once_engine`, against `once/single`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,10 @@ SINGLE = "once/single"
 CACHED_VS_SINGLE_MIN = 0.9
 P90_VS_AFFINITY_MAX = 0.8
 P90_VS_ROUND_ROBIN_MAX = 1.0
+# The vLLM bar (issue 28).
+VLLM_HIT_RATIO_VS_ROUND_ROBIN_MIN = 1.3
+VLLM_P90_VS_ROUND_ROBIN_MAX = 0.8
+VLLM_COMPUTED_VS_ONCE_ENGINE_MAX = 1.02
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,9 @@ def routing_figures(rows: list[dict], routing_stats: dict | None = None) -> dict
         figures["requests_per_replica"] = routing_stats["requests_per_replica"]
         figures["measured_speed"] = routing_stats.get("measured_speed")
         figures["router"] = routing_stats["router"]
+        if "vllm" in routing_stats:
+            figures["vllm"] = routing_stats["vllm"]
+            figures["hit_ratio"] = routing_stats["vllm"]["hit_ratio"]
     return figures
 
 
@@ -122,8 +137,39 @@ def routing_section(
         "p90_ttft_ratio_vs_session_affinity": _p90_ratio(policies, SESSION_AFFINITY),
         "p90_ttft_ratio_vs_round_robin": _p90_ratio(policies, ROUND_ROBIN),
     }
-    section["bar"] = _bar(section)
+    if "vllm" in once:
+        section["engine"] = "vllm"
+        section["vllm_live"] = True
+        round_robin = policies.get(ROUND_ROBIN, {})
+        rr_hits = round_robin.get("hit_ratio")
+        section["hit_ratio_vs_round_robin"] = (
+            _ratio(once["hit_ratio"], rr_hits) if once["hit_ratio"] and rr_hits else None
+        )
+        section["computed_ratio_vs_once_engine"] = _ratio(
+            once["vllm"]["computed_tokens"], single["computed_tokens"]
+        )
+        section["bar"] = _vllm_bar(section)
+    else:
+        section["bar"] = _bar(section)
     return section
+
+
+def _vllm_bar(section: dict) -> dict:
+    def check(value, ok):
+        return None if value is None else bool(ok(value))
+
+    return {
+        "hit_ratio_vs_round_robin": check(
+            section["hit_ratio_vs_round_robin"], lambda v: v >= VLLM_HIT_RATIO_VS_ROUND_ROBIN_MIN
+        ),
+        "p90_vs_round_robin": check(
+            section["p90_ttft_ratio_vs_round_robin"], lambda v: v <= VLLM_P90_VS_ROUND_ROBIN_MAX
+        ),
+        "computed_vs_once_engine": check(
+            section["computed_ratio_vs_once_engine"],
+            lambda v: v <= VLLM_COMPUTED_VS_ONCE_ENGINE_MAX,
+        ),
+    }
 
 
 def _bar(section: dict) -> dict:

@@ -11,7 +11,9 @@ and vocabulary (compute is real but cheap), or SmolLM2 itself.
 
 The engine is one in-process `AsyncEngine` by default; with `replicas` > 1 it is a
 `Router(policy)` over that many `once engine` processes (replicas.py), some of them
-throttled, and `ForcedOutputEngine` sits in front of the router.
+throttled, and `ForcedOutputEngine` sits in front of the router. Given a `vllm_pool`
+(vllm_pool.py), the router is over live vLLM servers instead, and the recorded outputs
+are forced as grammars of their text.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from once.agent.transport.base import Transport
 from once.bench.replay.forced import ForcedOutputEngine
 from once.bench.replay.replicas import Fleet, open_fleet
 from once.bench.replay.timeouts import PATIENT, ClientTimeouts
+from once.bench.replay.vllm_pool import VllmFleet, VllmPool, literal_grammar, open_vllm_fleet
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.render import NotIncrementalError
@@ -146,7 +149,7 @@ class Stack:
     gateway: ResponsePipeline
     client: openai.AsyncOpenAI
     builds: LoggingBuilder | None = None
-    fleet: Fleet | None = None  # the replicas and router, when the engine is routed
+    fleet: Fleet | VllmFleet | None = None  # the replicas and router, when routed
     anthropic_client: anthropic.AsyncAnthropic | None = None  # the Messages API's client
     timeouts: ClientTimeouts = PATIENT
 
@@ -252,6 +255,7 @@ async def open_stack(
     timeouts: ClientTimeouts = PATIENT,
     keep_alive_s: float = GatewayConfig.keep_alive_s,
     wrap_engine=None,
+    vllm_pool: VllmPool | None = None,
 ) -> AsyncIterator[Stack]:
     """replicas == 1: one in-process engine (slow_replicas, slowdown, policy unused).
     replicas > 1: `once engine` processes (the last `slow_replicas` at 1/`slowdown`
@@ -259,7 +263,8 @@ async def open_stack(
     starts its own, so every stack's caches start empty. `kv_tiers`: EngineConfig's kv_*
     settings of the in-process engine. pd = (P, D): the replicas are P prefill and D decode
     engines (open_fleet). `timeouts`: the clients' (timeouts.py); `keep_alive_s`: the
-    gateway's; `wrap_engine`: wraps the engine the gateway reaches (tests: a slow one)."""
+    gateway's; `wrap_engine`: wraps the engine the gateway reaches (tests: a slow one).
+    `vllm_pool`: route over its live vLLM servers (their caches emptied first) instead."""
     from once.gateway.testing import serve_gateway
 
     builder = runtime.builder
@@ -274,13 +279,21 @@ async def open_stack(
         verify_every=verify_every,
         max_body_bytes=256 * 1024 * 1024,
         keep_alive_s=keep_alive_s,
+        default_max_output_tokens=0,  # a recorded output may be longer than any default
         send_timeout_s=timeouts.write_s,
         body_timeout_s=timeouts.write_s,
     )
     async with contextlib.AsyncExitStack() as stack_of_closers:
-        fleet = None
+        fleet: Fleet | VllmFleet | None = None
         engine: AsyncEngine | Router
-        if replicas > 1:
+        as_constraint = None
+        if vllm_pool is not None:
+            fleet = await stack_of_closers.enter_async_context(
+                open_vllm_fleet(vllm_pool, policy=policy, prefix_caching=spec.prefix_caching)
+            )
+            engine = fleet.router
+            as_constraint = text_forcing(runtime)
+        elif replicas > 1:
             fleet = await stack_of_closers.enter_async_context(
                 open_fleet(
                     model_folder, count=replicas, num_slow=slow_replicas, slowdown=slowdown,
@@ -296,7 +309,9 @@ async def open_stack(
                 spec, model_folder, max_model_len, kv_cache_gib, num_kv_blocks, kv_tiers or {}
             )
             stack_of_closers.push_async_callback(engine.close)
-        forced = ForcedOutputEngine(engine if wrap_engine is None else wrap_engine(engine))
+        forced = ForcedOutputEngine(
+            engine if wrap_engine is None else wrap_engine(engine), as_constraint
+        )
         url, gateway = await stack_of_closers.enter_async_context(
             serve_gateway(runtime, forced, gateway_config)
         )
@@ -313,6 +328,19 @@ async def open_stack(
         yield Stack(
             spec, engine, forced, gateway, client, builds, fleet, anthropic_client, timeouts
         )
+
+
+def text_forcing(runtime):
+    """Forced ids -> the grammar of their text (without the eos that ends the turn)."""
+    eos_ids = set(runtime.builder.eos_ids)
+
+    def as_constraint(ids):
+        ids = list(ids)
+        while ids and ids[-1] in eos_ids:
+            ids.pop()
+        return literal_grammar(runtime.tokenizer.decode(ids, skip_special_tokens=False))
+
+    return as_constraint
 
 
 def _in_process_engine(

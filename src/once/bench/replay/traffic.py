@@ -132,5 +132,5 @@ def stack_cpu_meter(stack) -> LayerCpuMeter:
         return value or 0.0
 
     fleet = getattr(stack, "fleet", None)
-    pids = [replica.process.pid for replica in fleet.processes] if fleet is not None else []
+    pids = fleet.replica_pids() if fleet is not None else []
     return LayerCpuMeter(gateway_cpu_s, pids)
