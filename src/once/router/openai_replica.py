@@ -11,6 +11,9 @@ final usage chunk, `usage.prompt_tokens_details.cached_tokens` (vLLM with
 `--enable-prompt-tokens-details`; SGLang reports it by default), so `num_cached_tokens`
 arrives on the LAST delta here, not the first.
 
+`prompt_text` (ids -> text) sends the prompt as text instead, for what takes no ids
+(sglang-router in front of vLLM); the server then tokenizes it again.
+
 `forced_output_ids` cannot be forced through this API: the replica is asked for exactly
 that many tokens with `ignore_eos`, so the cost matches the recording but the ids are
 the server's own.
@@ -41,7 +44,7 @@ a protocol error. vLLM reports the raw distribution by default (`logprobs_mode
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -65,13 +68,18 @@ from once.router.replicas import ServerLoad
 from once.router.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 TOKEN_ID_PREFIX = "token_id:"
+# ids -> text, for a server in front of the replica that takes no token ids (sglang-router)
+PromptText = Callable[[list[int]], str]
 
 
-def completions_body(request: GenerateRequest, model: str) -> dict:
+def completions_body(
+    request: GenerateRequest, model: str, prompt_text: PromptText | None = None
+) -> dict:
     sampling = request.sampling
+    ids = list(request.prompt_token_ids)
     body = {
         "model": model,
-        "prompt": list(request.prompt_token_ids),
+        "prompt": ids if prompt_text is None else prompt_text(ids),
         "max_tokens": sampling.max_tokens,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -223,9 +231,11 @@ class OpenAICompletionsClient:
         api_key: str | None = None,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
+        prompt_text: PromptText | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         self.model = model
+        self.prompt_text = prompt_text
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, transport=transport, headers=headers
@@ -246,7 +256,9 @@ class OpenAICompletionsClient:
             return
         try:
             async with self._http.stream(
-                "POST", "/v1/completions", json=completions_body(request, self.model)
+                "POST",
+                "/v1/completions",
+                json=completions_body(request, self.model, self.prompt_text),
             ) as response:
                 if response.status_code != 200:
                     raise error_from_status(response.status_code, await response.aread())
@@ -285,7 +297,7 @@ class OpenAICompletionsClient:
         response carries `kv_transfer_params` for the decode replica; one last delta."""
         try:
             response = await self._http.post(
-                "/v1/completions", json=completions_body(request, self.model)
+                "/v1/completions", json=completions_body(request, self.model, self.prompt_text)
             )
         except httpx.TransportError as exc:
             raise EngineDeadError(f"lost the replica at {self.base_url}: {exc!r}") from exc

@@ -80,6 +80,7 @@ from once.bench.replay.replicas import default_replica_threads
 from once.bench.replay.report import write_report
 from once.bench.replay.routing import ONCE_POLICY, StackRun, routed_runs, routing_section
 from once.bench.replay.sessions import find_session, sample_names
+from once.bench.replay.sglang_router import SGLANG_ROUTER_POLICY
 from once.bench.replay.stacks import (
     APIS,
     NAIVE,
@@ -154,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policies",
         nargs="+",
         default=[ONCE_POLICY],
-        choices=sorted(POLICIES),
-        help="routing policies of the once stack (once, and the ones compared with it)",
+        choices=sorted([*POLICIES, SGLANG_ROUTER_POLICY]),
+        help="routing policies of the once stack (once, and the ones compared with it); "
+        f"{SGLANG_ROUTER_POLICY}: SGLang's router in front (--engine vllm only)",
     )
     routing.add_argument("--replica-threads", type=int, help="default: cores // --replicas")
     routing.add_argument(
@@ -180,6 +182,8 @@ def check_routing_args(args) -> str | None:
         return "--slowdown must be >= 1.0"
     if ONCE_POLICY not in args.policies:
         return "--policies must include once (the stack the ledger reports)"
+    if SGLANG_ROUTER_POLICY in args.policies and args.engine != "vllm":
+        return f"--policies {SGLANG_ROUTER_POLICY} needs --engine vllm"
     if args.engine == "vllm":
         if args.slow_replicas:
             return "--slow-replicas needs --engine once (vLLM servers cannot be throttled)"

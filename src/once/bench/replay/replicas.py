@@ -242,6 +242,10 @@ class Fleet:
     def slow_names(self) -> list[str]:
         return [p.name for p in self.processes if p.slowdown > 1.0]
 
+    @property
+    def block_size(self) -> int:
+        return self.router.config.block_size
+
     def replica_pids(self) -> list[int]:
         return [p.process.pid for p in self.processes]
 

@@ -19,6 +19,7 @@ are forced as grammars of their text.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from once.bench.replay.vllm_pool import VllmFleet, VllmPool, literal_grammar, op
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.render import NotIncrementalError
+from once.protocol.engine import EngineClient
 
 if TYPE_CHECKING:  # the engine (and torch) is imported when a stack opens
     from once.engine.async_engine import AsyncEngine
@@ -144,7 +146,7 @@ class LoggingBuilder:
 @dataclass
 class Stack:
     spec: StackSpec
-    engine: AsyncEngine | Router  # the in-process engine, or the fleet's router
+    engine: AsyncEngine | Router | EngineClient  # in-process, the fleet's router, a peer's
     forced: ForcedOutputEngine
     gateway: ResponsePipeline
     client: openai.AsyncOpenAI
@@ -163,7 +165,7 @@ class Stack:
     @property
     def block_size(self) -> int:
         if self.fleet is not None:
-            return self.fleet.router.config.block_size
+            return self.fleet.block_size
         engine = cast("AsyncEngine", self.engine)  # without a fleet: the in-process engine
         return engine.engine.config.block_size
 
@@ -285,13 +287,17 @@ async def open_stack(
     )
     async with contextlib.AsyncExitStack() as stack_of_closers:
         fleet: Fleet | VllmFleet | None = None
-        engine: AsyncEngine | Router
+        engine: AsyncEngine | Router | EngineClient
         as_constraint = None
         if vllm_pool is not None:
+            prompt_text = functools.partial(runtime.tokenizer.decode, skip_special_tokens=False)
             fleet = await stack_of_closers.enter_async_context(
-                open_vllm_fleet(vllm_pool, policy=policy, prefix_caching=spec.prefix_caching)
-            )
-            engine = fleet.router
+                open_vllm_fleet(
+                    vllm_pool, policy=policy, prefix_caching=spec.prefix_caching,
+                    prompt_text=prompt_text,
+                )
+            )  # fmt: skip
+            engine = fleet.engine
             as_constraint = text_forcing(runtime)
         elif replicas > 1:
             fleet = await stack_of_closers.enter_async_context(

@@ -3,7 +3,7 @@
     async with open_vllm_pool(folder, count=2, threads=1, max_model_len=..., kv_cache_mib=...)
             as pool:
         async with open_vllm_fleet(pool, policy="round_robin", prefix_caching=True) as fleet:
-            ...  # fleet.router is the engine the gateway reaches
+            ...  # fleet.engine is what the gateway reaches
 
 The N servers start once for the whole replay (a vLLM start costs tens of seconds here)
 and every stack gets them with empty caches: `open_vllm_fleet` resets their prefix caches
@@ -12,6 +12,9 @@ index per server fed by that server's own ZMQ KV events) and reads each server's
 `/metrics` as the stack's starting point. The stack's engine counters are the growth of
 vLLM's own counters since then: prompt tokens, prefix-cache queries and hits, generated
 tokens, finished requests (`engine_stats`, summed over the servers).
+
+The policy `sglang_router` puts SGLang's router in front instead of once's
+(sglang_router.py): the engine is then a client of it that sends prompts as text.
 
 Two stacks need more than a router:
 - the naive stack has no prefix cache anywhere; vLLM's is a server flag, so instead each
@@ -30,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from once.bench.replay.sglang_router import SGLANG_ROUTER_POLICY, sglang_router
 from once.fleet.vllm_server import VllmServer, VllmSpec, start_vllm_servers
 from once.protocol.engine import EngineClient, GenerateRequest, OutputConstraint, TokenDelta
 from once.router.openai_replica import OpenAICompletionsClient
@@ -50,6 +55,7 @@ class VllmPool:
     served_model: str
     block_size: int
     kv_blocks: int  # per server
+    log_folder: Path | None = None  # where a peer router's log goes (a temporary folder if None)
 
 
 @contextlib.asynccontextmanager
@@ -75,7 +81,7 @@ async def open_vllm_pool(
         first = await servers[0].metrics()
         if first.block_size is None or first.num_blocks is None:
             raise RuntimeError(f"{servers[0].name} does not report its KV layout on /metrics")
-        yield VllmPool(servers, served_model, first.block_size, first.num_blocks)
+        yield VllmPool(servers, served_model, first.block_size, first.num_blocks, log_folder)
 
 
 class FreshSaltClient:
@@ -99,12 +105,19 @@ def literal_grammar(text: str) -> OutputConstraint:
 
 @dataclass
 class VllmFleet:
-    """One stack's view of the pool: its router, and vLLM's counters since it opened."""
+    """One stack's view of the pool: what routes (once's router, or a client of a peer
+    router), and vLLM's counters since the stack opened."""
 
     pool: VllmPool
-    router: Router
+    engine: EngineClient
+    router: Router | None  # None: a peer router routes
+    policy: str
     started: list[VllmMetrics]
     last: list[VllmMetrics] = field(default_factory=list)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
 
     slow_names: Sequence[str] = ()
 
@@ -113,9 +126,9 @@ class VllmFleet:
         sessions = {s.process.pid for s in self.pool.servers if s.process is not None}
         return [pid for pid, session in _sessions_of_processes() if session in sessions]
 
-    async def grown(self) -> VllmMetrics:
-        """vLLM's counters summed over the servers, their growth since the stack opened. A
-        server that does not answer counts with its last answer, so sums never go back."""
+    async def grown_per_server(self) -> list[VllmMetrics]:
+        """vLLM's counters per server, their growth since the stack opened. A server that
+        does not answer counts with its last answer, so they never go back."""
         now = await asyncio.gather(
             *(server.metrics() for server in self.pool.servers), return_exceptions=True
         )
@@ -124,7 +137,11 @@ class VllmFleet:
             reading if isinstance(reading, VllmMetrics) else before
             for reading, before in zip(now, previous, strict=True)
         ]
-        totals = [m.since(s) for m, s in zip(self.last, self.started, strict=True)]
+        return [m.since(s) for m, s in zip(self.last, self.started, strict=True)]
+
+    async def grown(self) -> VllmMetrics:
+        """`grown_per_server`, summed."""
+        totals = await self.grown_per_server()
         return VllmMetrics(
             prefix_cache_queries=sum(t.prefix_cache_queries for t in totals),
             prefix_cache_hits=sum(t.prefix_cache_hits for t in totals),
@@ -150,23 +167,31 @@ class VllmFleet:
         }
 
     def replica_of(self, request_id: str) -> str | None:
+        """Which server once's router chose; a peer router does not say."""
+        if self.router is None:
+            return None
         for decided_id, name in reversed(self.router.decisions):
             if decided_id == request_id:
                 return name
         return None
 
     async def routing_stats(self) -> dict:
-        stats = await self.router.stats()
+        """Requests per server as vLLM counted them (every finish reason), whoever routed."""
+        per_server = await self.grown_per_server()
         grown = await self.grown()
+        finished = {
+            server.name: reading.requests_finished
+            for server, reading in zip(self.pool.servers, per_server, strict=True)
+        }
+        router = {}
+        if self.router is not None:
+            stats = await self.router.stats()
+            router = {key: stats[key] for key in self.router.counters}
         return {
-            "policy": stats["policy"],
-            "router": {key: stats[key] for key in self.router.counters},
-            "requests_per_replica": {
-                name: replica["num_routed"] for name, replica in stats["replicas"].items()
-            },
-            "finished_per_replica": {
-                name: replica["num_finished"] for name, replica in stats["replicas"].items()
-            },
+            "policy": self.policy,
+            "router": router,
+            "requests_per_replica": finished,
+            "finished_per_replica": finished,
             "slow_replicas": [],
             "vllm": {
                 "prefix_cache_queries": grown.prefix_cache_queries,
@@ -194,10 +219,18 @@ def _sessions_of_processes() -> list[tuple[int, int]]:
 
 @contextlib.asynccontextmanager
 async def open_vllm_fleet(
-    pool: VllmPool, *, policy: str, prefix_caching: bool
+    pool: VllmPool, *, policy: str, prefix_caching: bool, prompt_text=None
 ) -> AsyncIterator[VllmFleet]:
-    """The pool's servers with empty prefix caches behind a fresh `Router(policy)`."""
+    """The pool's servers with empty prefix caches behind a fresh `Router(policy)`, or
+    behind sglang-router for `SGLANG_ROUTER_POLICY` (`prompt_text`: ids -> text, needed
+    then)."""
     await asyncio.gather(*(server.reset_prefix_cache() for server in pool.servers))
+    if policy == SGLANG_ROUTER_POLICY:
+        if prompt_text is None or not prefix_caching:
+            raise ValueError("sglang-router needs prompt_text and fronts prefix-caching stacks")
+        async with _sglang_fleet(pool, prompt_text) as fleet:
+            yield fleet
+        return
     clients = [OpenAICompletionsClient(server.url, pool.served_model) for server in pool.servers]
     replica_clients: list[EngineClient] = (
         list(clients) if prefix_caching else [FreshSaltClient(c) for c in clients]  # type: ignore[misc]
@@ -211,7 +244,22 @@ async def open_vllm_fleet(
     try:
         started = list(await asyncio.gather(*(server.metrics() for server in pool.servers)))
         await router.start()
-        yield VllmFleet(pool, router, started)
+        yield VllmFleet(pool, router, router, policy, started)
     finally:
         await router.aclose()
         await asyncio.gather(*(client.aclose() for client in clients))
+
+
+@contextlib.asynccontextmanager
+async def _sglang_fleet(pool: VllmPool, prompt_text) -> AsyncIterator[VllmFleet]:
+    with contextlib.ExitStack() as folders:
+        log_folder = pool.log_folder or Path(
+            folders.enter_context(tempfile.TemporaryDirectory(prefix="sglang-router-"))
+        )
+        async with sglang_router([s.url for s in pool.servers], log_folder) as url:
+            client = OpenAICompletionsClient(url, pool.served_model, prompt_text=prompt_text)
+            try:
+                started = list(await asyncio.gather(*(s.metrics() for s in pool.servers)))
+                yield VllmFleet(pool, client, None, SGLANG_ROUTER_POLICY, started)
+            finally:
+                await client.aclose()
