@@ -430,6 +430,9 @@ def main(argv=None) -> int:
     sub.add_parser("capacity", help="replicas and weights for a fleet (see --help)", add_help=False)
     sub.add_parser("sim", help="the cluster simulator on production traces", add_help=False)
     sub.add_parser("router", help="the cache-aware router over engine replicas", add_help=False)
+    sub.add_parser(
+        "fleet", help="gateway + router + N vLLM replicas from a fleet file", add_help=False
+    )
     sub.add_parser("replay", help="replay recorded agent sessions: the ledger", add_help=False)
     sub.add_parser(
         "replay-failover", help="a session moved to another replica: KV it reloads", add_help=False
@@ -456,6 +459,10 @@ def main(argv=None) -> int:
         from once.router.serve import main as router_main
 
         return router_main(rest)
+    if args.command == "fleet":
+        from once.fleet.cli import main as fleet_main
+
+        return fleet_main(rest)
     if args.command == "sim":
         from once.sim import main as sim_main
 

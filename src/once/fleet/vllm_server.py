@@ -20,42 +20,43 @@ build looks for a distribution named `vllm` and fails) bound to 127.0.0.1, with:
   the stacks it compares).
 A server runs in its own session (so a kill takes its engine-core and worker processes
 too) and gets SIGTERM when the process that started it dies (PR_SET_PDEATHSIG), so none
-outlives its test or fleet. Startup waits until /health answers or the process exits:
-a slow machine only makes it slower; `startup_timeout_s` is a hang guard.
+outlives its test or fleet (processes.py). Startup waits until /health answers or the
+process exits: a slow machine only makes it slower; `startup_timeout_s` is a hang guard.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
+from once.fleet.processes import (
+    StartError,
+    is_running,
+    kill_session,
+    read_tail,
+    spawn,
+    stop_processes,
+    wait_all_healthy,
+)
 from once.router.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 STARTUP_TIMEOUT_S = 1800.0  # a hang guard: a first start on a loaded 2-core machine takes minutes
 STOP_TIMEOUT_S = 20.0
-LOG_TAIL_CHARS = 3000
-PR_SET_PDEATHSIG = 1
+VllmStartError = StartError  # a vLLM server exited or stayed silent during startup
 
 
 class VllmUnavailableError(RuntimeError):
     """vLLM's virtualenv is missing: `make vllm` makes it."""
-
-
-class VllmStartError(RuntimeError):
-    """A vLLM server exited or stayed silent during startup."""
 
 
 def vllm_python() -> Path:
@@ -96,11 +97,6 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 @dataclass
 class VllmServer:
     spec: VllmSpec
@@ -117,6 +113,10 @@ class VllmServer:
     @property
     def kv_events_endpoint(self) -> str:
         return f"ipc://{self.folder / 'kv-events.ipc'}" if self.spec.kv_events else ""
+
+    @property
+    def health_url(self) -> str:
+        return f"{self.url}/health"
 
     @property
     def log_path(self) -> Path:
@@ -161,67 +161,30 @@ class VllmServer:
 
     def start(self) -> None:
         self.num_starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- start {self.num_starts}: {' '.join(self.command())}\n".encode())
-            log.flush()
-            self.process = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(),
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
-            )
+        self.process = spawn(
+            self.command(), self.log_path, f"start {self.num_starts}", self.environment()
+        )
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return is_running(self.process)
 
     def log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        except OSError:
-            return ""
+        return read_tail(self.log_path)
 
     def wait_healthy_blocking(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                raise VllmStartError(
-                    f"{self.name} (port {self.port}) exited with code {code} during startup; "
-                    f"its log ends with:\n{self.log_tail()}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise VllmStartError(
-                    f"{self.name} did not answer /health in {timeout_s:.0f} s; its log ends "
-                    f"with:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
+        wait_all_healthy([self], timeout_s)
 
     async def wait_healthy(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         await asyncio.to_thread(self.wait_healthy_blocking, timeout_s)
 
     def kill(self) -> None:
         """SIGKILL to the server's whole session: it dies mid-request, as a crashed host."""
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        process = self.process
+        if process is not None and process.poll() is None:
+            kill_session(process)
 
     def stop_blocking(self) -> None:
-        process = self.process
-        if process is None or process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_processes([self.process], STOP_TIMEOUT_S)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.stop_blocking)
@@ -254,6 +217,32 @@ def _make_servers(specs: Sequence[VllmSpec], log_folder: Path) -> list[VllmServe
     return servers
 
 
+class _StartedServers:
+    """One server per spec, started (not yet healthy) in `log_folder/vllm-i` (a temporary
+    folder when None); `close` stops them all together and removes that folder."""
+
+    def __init__(self, specs: Sequence[VllmSpec], log_folder: Path | None):
+        reason = vllm_missing_reason()
+        if reason:
+            raise VllmUnavailableError(reason)
+        self.temporary: tempfile.TemporaryDirectory[str] | None = None
+        if log_folder is None:
+            self.temporary = tempfile.TemporaryDirectory(prefix="vllm-")
+            log_folder = Path(self.temporary.name)
+        self.servers = _make_servers(specs, log_folder)
+        try:
+            for server in self.servers:
+                server.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        stop_processes([server.process for server in self.servers], STOP_TIMEOUT_S)
+        if self.temporary is not None:
+            self.temporary.cleanup()
+
+
 @contextlib.contextmanager
 def vllm_servers(
     specs: Sequence[VllmSpec],
@@ -264,22 +253,12 @@ def vllm_servers(
     """One server per spec, named vllm-0..N-1, yielded once every one answers /health;
     all started at once (they share the cores while they load). Logs go to
     `log_folder/vllm-i/vllm.log` (a temporary folder when None)."""
-    if vllm_missing_reason():
-        raise VllmUnavailableError(vllm_missing_reason())
-    with contextlib.ExitStack() as folders:
-        if log_folder is None:
-            log_folder = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="vllm-")))
-        servers = _make_servers(specs, log_folder)
-        try:
-            for server in servers:
-                server.start()
-            deadline = time.monotonic() + startup_timeout_s
-            for server in servers:
-                server.wait_healthy_blocking(max(1.0, deadline - time.monotonic()))
-            yield servers
-        finally:
-            for server in servers:
-                server.stop_blocking()
+    started = _StartedServers(specs, log_folder)
+    try:
+        wait_all_healthy(started.servers, startup_timeout_s)
+        yield started.servers
+    finally:
+        started.close()
 
 
 @contextlib.asynccontextmanager
@@ -289,17 +268,11 @@ async def start_vllm_servers(
     log_folder: Path | None = None,
     startup_timeout_s: float = STARTUP_TIMEOUT_S,
 ) -> AsyncIterator[list[VllmServer]]:
-    """`vllm_servers` for asyncio: started on the loop's thread, waited for off it."""
-    if vllm_missing_reason():
-        raise VllmUnavailableError(vllm_missing_reason())
-    with contextlib.ExitStack() as folders:
-        if log_folder is None:
-            log_folder = Path(folders.enter_context(tempfile.TemporaryDirectory(prefix="vllm-")))
-        servers = _make_servers(specs, log_folder)
-        try:
-            for server in servers:
-                server.start()
-            await asyncio.gather(*(server.wait_healthy(startup_timeout_s) for server in servers))
-            yield servers
-        finally:
-            await asyncio.gather(*(server.stop() for server in servers))
+    """`vllm_servers` for asyncio: started on the loop's thread (a server gets SIGTERM when
+    the thread that forked it ends), waited for and stopped off it."""
+    started = _StartedServers(specs, log_folder)
+    try:
+        await asyncio.to_thread(wait_all_healthy, started.servers, startup_timeout_s)
+        yield started.servers
+    finally:
+        await asyncio.to_thread(started.close)
