@@ -86,6 +86,9 @@ class LLMEngine:
         self.model = LlamaModel(
             model_config, weights, self.max_model_len, pack_weights=config.cpu_gemm == "onednn"
         )
+        # The model holds its own copies: the loaded tensors (SmolLM2: 0.5 GB) go before the
+        # KV pool is allocated, or the start peaks at both.
+        del weights
 
         block_size = config.block_size
         bytes_per_block = PagedKVCache.bytes_per_block(
