@@ -52,7 +52,7 @@ async def test_responses_websocket_chain_reuses_vllms_cache(vllm_pair, runtime):
                 max_output_tokens=8,
             )
             second = await _completed(connection)
-        assert first.status == second.status == "completed"
+        assert {first.status, second.status} <= {"completed", "incomplete"}
         assert second.usage.input_tokens > first.usage.input_tokens
         # vLLM's own usage: the chain's prefix was in its cache (32-token blocks).
         assert second.usage.input_tokens_details.cached_tokens >= 32
@@ -62,8 +62,8 @@ async def test_responses_websocket_chain_reuses_vllms_cache(vllm_pair, runtime):
 
 async def _completed(connection):
     async for event in connection:
-        if event.type == "response.completed":
-            return event.response
+        if event.type in ("response.completed", "response.incomplete"):
+            return event.response  # incomplete: max_output_tokens reached, as asked
         assert event.type not in ("error", "response.failed"), event
 
 
@@ -104,7 +104,8 @@ async def test_structured_outputs_and_forced_tool_calls_follow_vllms_grammar(vll
     engine = OpenAICompletionsClient(vllm_pair[0].url, MODEL)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
               "required": ["ok"], "additionalProperties": False}  # fmt: skip
-    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+    # strict: the arguments follow the schema (without it, any JSON object, as OpenAI's).
+    tool = {"type": "function", "function": {"name": "pick", "strict": True, "parameters": {
         "type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
         "required": ["color"], "additionalProperties": False}}}  # fmt: skip
     async with serve_gateway(runtime, engine, CONFIG) as (url, _):
@@ -168,7 +169,8 @@ async def test_vllm_never_tokenizes_what_the_gateway_sends(vllm_pair, runtime):
             model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=6
         )
         await client.close()
-        assert response.status == "completed" and chat.choices[0].message.content is not None
+        assert response.status in ("completed", "incomplete")  # incomplete: 6 tokens reached
+        assert chat.choices[0].message.content is not None
         after = await metrics_of(server)
         sent = response.usage.input_tokens + chat.usage.prompt_tokens
         assert after["prompt"] - before["prompt"] == sent
