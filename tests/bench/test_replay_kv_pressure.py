@@ -13,9 +13,11 @@ from tests.bench.test_replay_report import _args, _session
 @pytest.fixture(scope="module")
 def pressure_report():
     sessions = [("folder-a", _session("a")), ("folder-b", _session("b"))]
-    # A session reaches 752 tokens (47 blocks of 16): 48 blocks hold one, not two.
+    # A session reaches 752 tokens (47 blocks of 16): 48 blocks hold one, not two; the
+    # context is what the pool holds (an engine refuses a pool under one request).
     args = _args(concurrency=2, kv_blocks=48, kv_host_blocks=None, kv_disk_gib=0.1,
-                 kv_offload="write_through", kv_hints=True, pacing="recorded",
+                 max_model_len=768, kv_offload="write_through", kv_hints=True,
+                 pacing="recorded",
                  time_scale=0.005)  # fmt: skip
     return asyncio.run(cli.run_replay(sessions, args))
 
