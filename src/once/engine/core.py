@@ -21,13 +21,12 @@ from once.engine.config import (
     kv_cache_too_small,
 )
 from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_from_model
-from once.engine.kv.block_codec import decode_block
+from once.engine.kv.block_io import BlockIO
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
 from once.engine.kv.manager import KVCacheManager
 from once.engine.kv.pd_role import admit_for_role, finish_prefill, transfer_source
 from once.engine.kv.session_pauses import SessionPauses
-from once.engine.kv.tiered_connector import TieredConnector
 from once.engine.kv.transfer import TransferStore
 from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
@@ -55,7 +54,6 @@ from once.protocol.errors import (
     InvalidRequestError,
     OnceError,
 )
-from once.protocol.kv_blocks import prompt_tail_hash
 from once.sim.eviction import eviction_factory
 
 logger = logging.getLogger(__name__)
@@ -141,10 +139,14 @@ class LLMEngine:
             block_shape = tuple(self.kv_cache.k[:, 0].shape)
             connector = build_kv_tiers(config, self.model_path, block_shape, dtype, num_blocks)
         self.connector = connector
-        self.kv = KVCacheManager(self.pool, connector, self._load_block, self._load_tail)
-        self.pauses = SessionPauses(self.pool, connector, self._read_block, config.kv_pause_keep_s)
+        self.blocks = BlockIO(self.kv_cache, self.pool, connector)
+        blocks = self.blocks
+        self.kv = KVCacheManager(self.pool, connector, blocks.load_block, blocks.load_tail)
+        self.pauses = SessionPauses(
+            self.pool, connector, self.blocks.read_block, config.kv_pause_keep_s
+        )
         if connector is not None and connector.wants_evicted:
-            self.pool.on_evict = self._offload_evicted
+            self.pool.on_evict = self.blocks.offload_evicted
         if connector is not None and self.pool.record_events:
             connector.record_events = True
         self.scheduler = Scheduler(
@@ -220,7 +222,7 @@ class LLMEngine:
     def add_request(self, request: GenerateRequest) -> None:
         self.validate(request)
         if self.config.role != "both":
-            request = admit_for_role(request, self.config.role, self._tiers())
+            request = admit_for_role(request, self.config.role, self.blocks.tiers())
         if request.request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
@@ -308,9 +310,9 @@ class LLMEngine:
         if failed:
             requests, committed = self._fail_grammars(failed, requests, committed)
         if self.kv.has_connector:
-            self._save_new_blocks()
+            self.blocks.save_new_blocks()
             if self.config.role == "prefill":
-                self._save_prompt_tails(out.scheduled)
+                self.blocks.save_prompt_tails(out.scheduled, self.kv)
         if self.config.role == "decode":
             for item in out.scheduled:
                 self._release_transfer(item.request)  # admitted: its loads are over
@@ -450,7 +452,7 @@ class LLMEngine:
             num_blocks = request.num_prompt_tokens // self.pool.block_size
             delta.kv_transfer_params = finish_prefill(
                 request.request_id, request.block_hashes[:num_blocks],
-                request.kv_prompt_tail_hash, self._tiers(), self._read_block,
+                request.kv_prompt_tail_hash, self.blocks.tiers(), self.blocks.read_block,
                 self.pool.block_size, hold=request.kv_hold_for_decode,
             )  # fmt: skip
         self._release_transfer(request)  # aborted or failed before its admission
@@ -464,7 +466,7 @@ class LLMEngine:
         source = request.kv_transfer_source
         if source is not None:
             request.kv_transfer_source = None
-            self._tiers().release_transfer(*source)
+            self.blocks.tiers().release_transfer(*source)
 
     def _transfer_stats(self) -> dict:
         transfer = getattr(self.connector, "transfer", None)
@@ -478,62 +480,6 @@ class LLMEngine:
                 "kv_transfer_expired": transfer.num_expired,
             }
         return {}
-
-    def _tiers(self) -> TieredConnector:
-        # A prefill or decode role always builds tiers (EngineConfig.has_kv_tiers).
-        assert isinstance(self.connector, TieredConnector)
-        return self.connector
-
-    def _save_new_blocks(self) -> None:
-        # Blocks registered while scheduling this step now hold their computed K/V.
-        assert self.connector is not None  # step() saves only with a connector
-        for block in self.pool.take_newly_cached():
-            assert block.block_hash is not None  # newly cached blocks are full, so hashed
-            k = self.kv_cache.k[:, block.block_id]  # (num_layers, block_size, kv_heads, dim)
-            v = self.kv_cache.v[:, block.block_id]
-            self.connector.save(block.block_hash, k, v)
-
-    def _save_prompt_tails(self, scheduled) -> None:
-        # A prompt finishing its prefill this step: its partial last block goes to the
-        # transfer store beside the full ones (protocol.kv_blocks.prompt_tail_hash).
-        for item in scheduled:
-            request = item.request
-            if request.output_token_ids or request.num_computed_tokens + item.num_new_tokens < (
-                request.num_prompt_tokens
-            ):
-                continue
-            tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
-                                    self.pool.block_size, request.cache_salt)  # fmt: skip
-            block_ids = self.kv.block_ids(request.request_id)
-            index = (request.num_prompt_tokens - 1) // self.pool.block_size
-            if tail is not None and index < len(block_ids):
-                k = self.kv_cache.k[:, block_ids[index]]
-                self._tiers().save_to_transfer(tail[0], k, self.kv_cache.v[:, block_ids[index]])
-                request.kv_prompt_tail_hash = tail[0]
-
-    def _load_tail(self, block_id: int, tail_hash: int) -> bool:
-        connector = self._tiers()
-        data = connector.transfer.get(tail_hash) if connector.transfer is not None else None
-        k, v = self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
-        return decode_block(data, connector.fingerprint, tail_hash, k, v)
-
-    def _offload_evicted(self, block) -> None:
-        assert self.connector is not None  # the pool calls back only with a connector
-        k = self.kv_cache.k[:, block.block_id]
-        v = self.kv_cache.v[:, block.block_id]
-        self.connector.evicted(block.block_hash, k, v)
-
-    def _read_block(self, block_hash: int):
-        block = self.pool.cached.get(block_hash)
-        if block is None:
-            return None
-        return self.kv_cache.k[:, block.block_id], self.kv_cache.v[:, block.block_id]
-
-    def _load_block(self, block_id: int, block_hash: int) -> bool:
-        assert self.connector is not None  # the manager loads only with a connector
-        return self.connector.load(
-            block_hash, self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
-        )
 
     def _take_pending(self) -> list[TokenDelta]:
         pending, self._pending = self._pending, []
