@@ -148,47 +148,41 @@ def routing_section(
         section["computed_ratio_vs_once_engine"] = _ratio(
             once["vllm"]["computed_tokens"], single["computed_tokens"]
         )
-        section["bar"] = _vllm_bar(section)
+        section["bar"] = _bar(section, VLLM_BAR)
     else:
-        section["bar"] = _bar(section)
+        section["bar"] = _bar(section, LIVE_BAR)
     return section
 
 
-def _vllm_bar(section: dict) -> dict:
-    def check(value, ok):
-        return None if value is None else bool(ok(value))
+# criterion -> (the section's figure, its bound, "min" or "max")
+LIVE_BAR = {
+    "cached_vs_single": ("cached_ratio_vs_single", CACHED_VS_SINGLE_MIN, "min"),
+    "p90_vs_session_affinity": ("p90_ttft_ratio_vs_session_affinity", P90_VS_AFFINITY_MAX, "max"),
+    "p90_vs_round_robin": ("p90_ttft_ratio_vs_round_robin", P90_VS_ROUND_ROBIN_MAX, "max"),
+}
+VLLM_BAR = {
+    "hit_ratio_vs_round_robin": (
+        "hit_ratio_vs_round_robin",
+        VLLM_HIT_RATIO_VS_ROUND_ROBIN_MIN,
+        "min",
+    ),
+    "p90_vs_round_robin": ("p90_ttft_ratio_vs_round_robin", VLLM_P90_VS_ROUND_ROBIN_MAX, "max"),
+    "computed_vs_once_engine": (
+        "computed_ratio_vs_once_engine",
+        VLLM_COMPUTED_VS_ONCE_ENGINE_MAX,
+        "max",
+    ),
+}
 
-    return {
-        "hit_ratio_vs_round_robin": check(
-            section["hit_ratio_vs_round_robin"], lambda v: v >= VLLM_HIT_RATIO_VS_ROUND_ROBIN_MIN
-        ),
-        "p90_vs_round_robin": check(
-            section["p90_ttft_ratio_vs_round_robin"], lambda v: v <= VLLM_P90_VS_ROUND_ROBIN_MAX
-        ),
-        "computed_vs_once_engine": check(
-            section["computed_ratio_vs_once_engine"],
-            lambda v: v <= VLLM_COMPUTED_VS_ONCE_ENGINE_MAX,
-        ),
-    }
 
-
-def _bar(section: dict) -> dict:
-    """Each criterion of the live bar: True, False, or None when not measured."""
-
-    def check(value, ok):
-        return None if value is None else bool(ok(value))
-
-    return {
-        "cached_vs_single": check(
-            section["cached_ratio_vs_single"], lambda v: v >= CACHED_VS_SINGLE_MIN
-        ),
-        "p90_vs_session_affinity": check(
-            section["p90_ttft_ratio_vs_session_affinity"], lambda v: v <= P90_VS_AFFINITY_MAX
-        ),
-        "p90_vs_round_robin": check(
-            section["p90_ttft_ratio_vs_round_robin"], lambda v: v <= P90_VS_ROUND_ROBIN_MAX
-        ),
-    }
+def _bar(section: dict, criteria: dict) -> dict:
+    """Each criterion: True, False, or None when its figure was not measured."""
+    verdicts = {}
+    for name, (figure, bound, kind) in criteria.items():
+        value = section[figure]
+        ok = None if value is None else (value >= bound if kind == "min" else value <= bound)
+        verdicts[name] = ok
+    return verdicts
 
 
 def _p90_ratio(policies: dict, baseline: str) -> float | None:
