@@ -343,9 +343,11 @@ class PredictedTTFT:
 
     Session affinity: a session's later requests stay on its home replica (the one that
     served it last) unless another replica's predicted prefill time (the first term alone)
-    is shorter by more than `affinity_margin` (a fraction of the home's), so an
-    approximate index or a noisy speed estimate does not bounce a conversation between
-    replicas, yet a home that became much slower is left. The check leaves the decode term
+    is shorter by more than `affinity_margin` (a fraction of the home's; 0.5: the other
+    must promise the first token in half the time), so an approximate index or a noisy
+    speed estimate does not bounce a conversation between replicas, yet a home that
+    became much slower is left. A move recomputes the session's whole history on a
+    replica that then holds a second copy of it, so the bar to leave is set high. The check leaves the decode term
     out whatever decode_weight is: it stands for the load a request adds to a busy batch,
     not worth throwing its session's cache away for (with it in, the check overrates a busy
     home's TTFT and moves sessions off their cache).
@@ -367,7 +369,7 @@ class PredictedTTFT:
     def __init__(
         self,
         decode_weight: float = 0.0,
-        affinity_margin: float = 0.25,
+        affinity_margin: float = 0.5,
         prefix_affinity_margin: float = 0.9,
         max_sessions: int = 100_000,
     ):
