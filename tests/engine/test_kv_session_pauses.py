@@ -17,9 +17,9 @@ from once.engine.kv.session_pauses import (
 )
 from once.engine.request import Request
 from once.gateway.pause_hints import METADATA_KEY, expected_pause_s, pause_table
+from once.kv_eviction.policies import eviction_factory
 from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import InvalidRequestError
-from once.sim.eviction import eviction_factory
 from tests.engine.test_engine_parity import GREEDY, prompts
 
 

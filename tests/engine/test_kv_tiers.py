@@ -18,8 +18,8 @@ from once.engine.core import LLMEngine
 from once.engine.kv.block_codec import decode_block, encode_block, layout_fingerprint
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
+from once.kv_eviction.policies import LFUDynamicAging
 from once.protocol.engine import GenerateRequest
-from once.sim.eviction import LFUDynamicAging
 from tests.engine.test_engine_parity import GREEDY, assert_logits_match, capture_logits, prompts
 
 SHAPE = (2, 4, 2, 8)  # layers, block size, KV heads, head dim

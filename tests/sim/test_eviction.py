@@ -2,10 +2,8 @@ import random
 
 import pytest
 
-from once.router.policies import make_policy
-from once.sim.cli import main
-from once.sim.cluster import Cluster
-from once.sim.eviction import (
+from once.kv_eviction.base import LRU, BlockInfo
+from once.kv_eviction.policies import (
     DEFAULT_EVICTION,
     EVICTION_POLICIES,
     Belady,
@@ -16,7 +14,10 @@ from once.sim.eviction import (
     age_bucket,
     eviction_factory,
 )
-from once.sim.kvcache import LRU, BlockCache, BlockInfo
+from once.router.policies import make_policy
+from once.sim.cli import main
+from once.sim.cluster import Cluster
+from once.sim.kvcache import BlockCache
 from tests.sim.conftest import make_profile, make_request
 
 

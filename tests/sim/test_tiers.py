@@ -3,10 +3,10 @@ import random
 
 import pytest
 
+from once.kv_eviction.base import LRU
+from once.kv_eviction.policies import EVICTION_POLICIES
 from once.sim import main
 from once.sim.cluster import Cluster
-from once.sim.eviction import EVICTION_POLICIES
-from once.sim.kvcache import LRU
 from once.sim.profiles import load_profile
 from once.sim.tiers import TierConfig, TierStore
 from tests.sim.conftest import RoundRobinStandIn, make_profile, make_request

@@ -11,7 +11,7 @@ CPU_GEMMS = ("onednn", "torch")
 KV_OFFLOAD_MODES = ("write_through", "write_back")
 ROLES = ("both", "prefill", "decode")
 KV_TRANSPORTS = ("shm", "tcp")
-# once.sim.eviction's policies that need no view of the future.
+# once.kv_eviction's policies that need no view of the future.
 ONLINE_EVICTION_POLICIES = ("lru", "leaf-lru", "lfu-da", "reuse")
 
 
@@ -60,8 +60,8 @@ class EngineConfig:
     # "write_through": blocks go down as they fill; "write_back": as they are evicted.
     kv_offload: str = "write_through"
     kv_load_timeout_s: float = 2.0  # a request waits this long for a prefetch at most
-    kv_host_eviction: str = "lru"  # L2's policy, a name from once.sim.eviction
-    kv_eviction: str = "lru"  # the device pool's policy, a name from once.sim.eviction
+    kv_host_eviction: str = "lru"  # L2's policy, a name from once.kv_eviction
+    kv_eviction: str = "lru"  # the device pool's policy, a name from once.kv_eviction
     # Session pause hints (kv/session_pauses.py), off by default: on the default replay
     # sample they did not pay (DESIGN.md). A pause expected to last up to kv_pause_keep_s
     # keeps the session's blocks in the device pool; a longer one offloads them.

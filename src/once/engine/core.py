@@ -39,6 +39,7 @@ from once.engine.scheduler import Scheduler, StepUpdate
 from once.engine.speculative import SpecDecodeStats, make_drafter
 from once.engine.speculative.governor import DraftLengthGovernor
 from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
+from once.kv_eviction.policies import eviction_factory
 from once.protocol.engine import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -54,7 +55,6 @@ from once.protocol.errors import (
     InvalidRequestError,
     OnceError,
 )
-from once.sim.eviction import eviction_factory
 
 logger = logging.getLogger(__name__)
 

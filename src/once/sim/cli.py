@@ -19,8 +19,8 @@ import json
 import math
 import sys
 
+from once.kv_eviction.policies import DEFAULT_EVICTION, EVICTION_POLICIES
 from once.sim.compare import DEFAULT_POLICIES, Scenario, compare_policies
-from once.sim.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from once.sim.pd_compare import (
     DEFAULT_DECODE_BUDGETS,
     DEFAULT_THRESHOLDS,

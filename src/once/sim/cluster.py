@@ -18,9 +18,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from once.kv_eviction.policies import eviction_factory
 from once.router.pd_split import SPLIT
 from once.router.policies import Policy, ReplicaView, RequestView
-from once.sim.eviction import eviction_factory
 from once.sim.pd import KVLink, KVTransfer, PDConfig, PDStats, transfer_s_per_token
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica

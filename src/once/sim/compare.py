@@ -10,10 +10,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from once.kv_eviction.policies import DEFAULT_EVICTION
 from once.router.policies import POLICIES, make_policy
 from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
 from once.sim.cluster import Cluster, SimResult
-from once.sim.eviction import DEFAULT_EVICTION
 from once.sim.metrics import summarize
 from once.sim.pd import PDConfig
 from once.sim.profiles import ReplicaProfile

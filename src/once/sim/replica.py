@@ -27,7 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from once.sim.kvcache import BlockCache, EvictionPolicy
+from once.kv_eviction.base import EvictionPolicy
+from once.sim.kvcache import BlockCache
 from once.sim.latency import LatencyHistogram
 from once.sim.profiles import ReplicaProfile
 from once.sim.tiers import LowerTiers

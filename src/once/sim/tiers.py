@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from once.sim.kvcache import EvictionPolicy, Lineage
+from once.kv_eviction.base import EvictionPolicy
+from once.sim.kvcache import Lineage
 from once.sim.profiles import ReplicaProfile
 
 TIER_NAMES = ("host", "disk")  # L2, L3

@@ -5,7 +5,7 @@ A block is in exactly one of four states:
   - free and empty: ref_count == 0, no hash; allocation takes these first, oldest first;
   - free and cached: ref_count == 0, still holds a hash, can be revived by a prefix hit;
     which one is evicted when no empty block is left is the `EvictionPolicy`'s choice,
-    the same policy objects the simulator and the host tier run (once.sim.eviction);
+    the same policy objects the simulator and the host tier run (once.kv_eviction);
     LRU by default, as in vLLM;
   - kept: free and cached, but its session said it pauses for a short tool (a hint,
     `keep`): out of the policy's reach until its deadline passes. When nothing else is
@@ -19,8 +19,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from once.kv_eviction.base import LRU, EvictionPolicy
 from once.protocol.kv_blocks import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from once.sim.kvcache import LRU, EvictionPolicy
 
 
 class KVBlock:

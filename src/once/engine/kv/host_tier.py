@@ -3,7 +3,7 @@
 Slots are allocated once, up front (pinned on CUDA so device<->host copies can overlap
 compute), and each holds one block's K and V for every layer. A slot is found by block
 hash; which block leaves when the pool is full is the `EvictionPolicy`'s choice, the same
-policy objects the simulator runs (once.sim.kvcache / once.sim.eviction), so a policy is
+policy objects the simulator runs (once.kv_eviction), so a policy is
 measured and served by one piece of code. Every host block is evictable: nothing holds a
 slot between calls.
 
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from once.sim.kvcache import LRU, EvictionPolicy
+from once.kv_eviction.base import LRU, EvictionPolicy
 
 Evicted = tuple[int, torch.Tensor, torch.Tensor]  # (block hash, K copy, V copy)
 PIN_S = 10.0

@@ -11,7 +11,7 @@ from once.engine.kv.host_tier import HostTier
 from once.engine.kv.tiered_connector import TieredConnector
 from once.engine.kv.transfer import TransferStore
 from once.engine.kv.transfer_peers import PeerSet
-from once.sim.eviction import eviction_factory
+from once.kv_eviction.policies import eviction_factory
 
 
 def model_identity(model_path: Path) -> str:

@@ -1,4 +1,4 @@
-"""Eviction policies for the simulated prefix cache, beyond the LRU of `once.sim.kvcache`.
+"""Eviction policies for a KV prefix cache, beyond the LRU of `once.kv_eviction.base`.
 
 All of them are prefix-aware (`LeafFirstPolicy`): only leaves go, a block whose children are
 cached outlives them. They differ in which leaf goes first:
@@ -24,7 +24,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-from once.sim.kvcache import LRU, BlockInfo, EvictionPolicy, LeafFirstPolicy
+from once.kv_eviction.base import LRU, BlockInfo, EvictionPolicy, LeafFirstPolicy
 
 
 class LeafLRU(LeafFirstPolicy):
