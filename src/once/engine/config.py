@@ -67,7 +67,7 @@ class EngineConfig:
     # keeps the session's blocks in the device pool; a longer one offloads them.
     kv_pause_hints: bool = False
     kv_pause_keep_s: float = 10.0
-    # Prefill/decode disaggregation (kv/transfer.py). "prefill": compute prompts (one output
+    # Prefill/decode disaggregation (kv/disagg/transfer.py). "prefill": compute prompts (one output
     # token at most) and keep their blocks in a transfer store the decode side reads;
     # "decode": load a prompt's blocks from the prefill engine its request names; "both":
     # colocated, as without disaggregation.

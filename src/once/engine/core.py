@@ -24,10 +24,10 @@ from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_fro
 from once.engine.kv.block_io import BlockIO
 from once.engine.kv.blocks import BlockPool
 from once.engine.kv.connector import KVConnector
+from once.engine.kv.disagg.role import admit_for_role, finish_prefill, transfer_source
+from once.engine.kv.disagg.transfer import TransferStore
 from once.engine.kv.manager import KVCacheManager
-from once.engine.kv.pd_role import admit_for_role, finish_prefill, transfer_source
 from once.engine.kv.session_pauses import SessionPauses
-from once.engine.kv.transfer import TransferStore
 from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory

@@ -61,7 +61,7 @@ class Request:
         self.kv_prefetch_started = 0.0
         self.kv_prefetch_settled = False
         # Disaggregated decode: the prompt's partial last block may come from the prefill
-        # engine too (kv/pd_role.py), so only its last token is computed here.
+        # engine too (kv/disagg/role.py), so only its last token is computed here.
         self.kv_remote_tail = False
         # (address, request id) of the prefill engine holding its blocks until released.
         self.kv_transfer_source: tuple[str, str] | None = None

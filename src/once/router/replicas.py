@@ -146,7 +146,7 @@ class Replica:
         decode_tokens_per_s: float = DEFAULT_DECODE_TOKENS_PER_S,
         live_estimates: bool = True,
         tier_load_s_per_block: float = TIER_LOAD_S_PER_BLOCK,
-        role: str = "both",  # "prefill": only prefill legs of split requests (pd_routing.py)
+        role: str = "both",  # "prefill": only prefill legs of split requests (disagg/routing.py)
     ):
         if block_size < 1 or kv_blocks_total < 1:
             raise ValueError("block_size and kv_blocks_total must be >= 1")

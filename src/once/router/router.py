@@ -41,7 +41,7 @@ client can use it (untested here); it publishes no KV events in vLLM's format, s
 replicas use the approximate index.
 
 Disaggregation: replicas of role "prefill" take only the prefill legs of requests the split
-policy sends through one (pd_routing.py); everything else is routed among the others.
+policy sends through one (disagg/routing.py); everything else is routed among the others.
 """
 
 import asyncio
@@ -54,8 +54,8 @@ from dataclasses import dataclass, field, replace
 from once.protocol.engine import FINISH_ERROR, EngineClient, GenerateRequest, TokenDelta
 from once.protocol.errors import EngineDeadError, EngineOverloadedError
 from once.protocol.kv_blocks import block_hashes, extend_block_hashes
-from once.router.pd_routing import Disaggregation
-from once.router.pd_split import SPLIT, SplitPolicy
+from once.router.disagg.routing import Disaggregation
+from once.router.disagg.split import SPLIT, SplitPolicy
 from once.router.policies import Policy, RequestView, make_policy
 from once.router.replicas import Replica, ReplicaFailure
 
@@ -74,7 +74,7 @@ class RouterConfig:
     probe_timeout_s: float = 5.0  # a hung replica must not stall the health loop
     seed: int = 0  # of the tie-breaking rng: same seed, same decisions as the simulator
     max_decisions: int = 10_000  # recent (request id, replica name) pairs kept
-    # With prefill replicas: which requests go through one (pd_split.py); None: defaults.
+    # With prefill replicas: which requests go through one (disagg/split.py); None: defaults.
     pd_split: SplitPolicy | None = None
 
     def __post_init__(self):

@@ -19,7 +19,7 @@ router has in flight, plus what each vLLM server reports beyond them on `/metric
 Disaggregated: `--prefill-engine-url` (a `once engine --role prefill`) and
 `--prefill-openai-url` (a vLLM prefill instance) add prefill replicas; requests the split
 policy picks (`--pd-min-uncached-tokens`, ...) are prefilled there and decoded on the
-others (pd_routing.py).
+others (disagg/routing.py).
 """
 
 import argparse
@@ -31,9 +31,9 @@ import httpx
 
 from once.engine.client import RemoteEngineClient
 from once.protocol.engine import EngineClient
+from once.router.disagg.split import SplitPolicy
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
 from once.router.openai_replica import OpenAICompletionsClient
-from once.router.pd_split import SplitPolicy
 from once.router.policies import POLICIES
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig

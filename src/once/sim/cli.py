@@ -9,7 +9,7 @@ conversation trace, 8 replicas of the H200 profile, offered load 80% of capacity
 policy at its own published defaults. `--host-tier-ratio` adds a host-memory KV tier of R
 times the device pool below each replica (and `--disk-tier-ratio` a disk tier below it);
 once then also runs without tiers, and the report gives both p90 TTFTs. `--pd` compares
-prefill/decode disaggregation with colocated serving instead (`once.sim.pd_compare`).
+prefill/decode disaggregation with colocated serving instead (`once.sim.disagg.compare`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 
 from once.kv_eviction.policies import DEFAULT_EVICTION, EVICTION_POLICIES
 from once.sim.compare import DEFAULT_POLICIES, Scenario, compare_policies
-from once.sim.pd_compare import (
+from once.sim.disagg.compare import (
     DEFAULT_DECODE_BUDGETS,
     DEFAULT_THRESHOLDS,
     TIGHT_TPOT_SLO_S,

@@ -5,7 +5,7 @@ picks a replica from `ReplicaView`s built like the live router's, with the repli
 prefix match, as an index fed by KV events would give), or a replica's step ends (its
 finished requests are recorded, a closed-loop session's next call is scheduled, the next
 step is planned), or a request's load from a lower KV tier is in (the replica is woken as by
-an arrival, so the request joins its next step), or, disaggregated (`once.sim.pd`), a
+an arrival, so the request joins its next step), or, disaggregated (`once.sim.disagg.transfer`), a
 decode leg's KV has arrived from its prefill replica. A step-end event carries the replica's
 version; one that a later plan replaced is skipped. Nothing sleeps: a 30-minute trace runs
 in seconds.
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from once.kv_eviction.policies import eviction_factory
-from once.router.pd_split import SPLIT
+from once.router.disagg.split import SPLIT
 from once.router.policies import Policy, ReplicaView, RequestView
-from once.sim.pd import KVLink, KVTransfer, PDConfig, PDStats, transfer_s_per_token
+from once.sim.disagg.transfer import KVLink, KVTransfer, PDConfig, PDStats, transfer_s_per_token
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState, SimReplica
 from once.sim.tiers import TierConfig, build_tiers

@@ -14,8 +14,8 @@ from once.kv_eviction.policies import DEFAULT_EVICTION
 from once.router.policies import POLICIES, make_policy
 from once.sim.capacity import arrival_scale_for_load, shared_lru_hit_ratio
 from once.sim.cluster import Cluster, SimResult
+from once.sim.disagg.transfer import PDConfig
 from once.sim.metrics import summarize
-from once.sim.pd import PDConfig
 from once.sim.profiles import ReplicaProfile
 from once.sim.retention import retention_report
 from once.sim.tiers import TierConfig

@@ -15,8 +15,8 @@ keys (causal attention: token i of the chunk sees c + i + 1 keys).
 The fields after `tpot_slo_s` are optional (0: not given) and only the KV tiers below the
 device pool (`once.sim.tiers`) read them: the model's KV shape, from which a block's bytes
 follow (or `kv_bytes_per_block` where the shape is not known), and each tier's bandwidth
-and per-load latency; and for prefill/decode disaggregation (`once.sim.pd`), the bandwidth
-and latency of a KV transfer from a prefill replica to a decode replica.
+and per-load latency; and for prefill/decode disaggregation (`once.sim.disagg.transfer`),
+the bandwidth and latency of a KV transfer from a prefill replica to a decode replica.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ can hold them (prompt plus output blocks are reserved at admission, so nothing i
 The step lasts what the profile's cost model says; a request's first token comes out of the
 step that finishes its prefill, the others one per decode step.
 
-Disaggregated (`once.sim.pd`), a prefill replica serves prefill legs: requests of one output
-token whose computed KV streams to a decode replica chunk by chunk. The decode leg is
+Disaggregated (`once.sim.disagg.transfer`), a prefill replica serves prefill legs: requests
+of one output token whose computed KV streams to a decode replica chunk by chunk. The decode leg is
 admitted there with its whole prompt but the last token in KV.
 
 A request whose prefix continues in a tier below the device pool (`once.sim.tiers`) is
@@ -36,7 +36,7 @@ from once.sim.workload import SimRequest
 
 
 class PrefillTransfer(Protocol):
-    """A prefill leg's KV on its way to a decode replica (once.sim.pd.KVTransfer)."""
+    """A prefill leg's KV on its way to a decode replica (once.sim.disagg.transfer.KVTransfer)."""
 
     from_tokens: int
     pull_prefix: bool
@@ -61,8 +61,8 @@ class RequestState:
     first_token_s: float | None = None
     finish_s: float | None = None
     rejected: bool = False
-    # Prefill/decode disaggregation (`once.sim.pd`): a prefill leg streams its KV through
-    # `transfer`; the decode leg it hands off to arrives `transferred`, its prompt in KV.
+    # Prefill/decode disaggregation (`once.sim.disagg.transfer`): a prefill leg streams its KV
+    # through `transfer`; the decode leg it hands off to arrives `transferred`, its prompt in KV.
     transfer: PrefillTransfer | None = None
     transferred: bool = False
     num_transferred_tokens: int = 0

@@ -43,9 +43,9 @@ import torch
 from once.bench.replay.routing import StackRun, percentile
 from once.bench.replay.stacks import ONCE
 from once.engine.kv.block_codec import decode_block, encode_block
-from once.engine.kv.transfer import TransferStore
-from once.engine.kv.transfer_peers import open_peer
-from once.router.pd_split import SplitPolicy
+from once.engine.kv.disagg.peers import open_peer
+from once.engine.kv.disagg.transfer import TransferStore
+from once.router.disagg.split import SplitPolicy
 
 COLOCATED = "once/colocated"
 DISAGGREGATED = "once/pd"

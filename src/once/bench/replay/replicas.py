@@ -39,8 +39,8 @@ import httpx
 from once.bench.local_redis import redis_server
 from once.engine.client import RemoteEngineClient
 from once.protocol.errors import OnceError
+from once.router.disagg.split import SplitPolicy
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
-from once.router.pd_split import SplitPolicy
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig
 

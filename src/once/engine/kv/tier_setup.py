@@ -6,11 +6,11 @@ import torch
 
 from once.engine.config import EngineConfig
 from once.engine.kv.block_codec import layout_fingerprint
+from once.engine.kv.disagg.peers import PeerSet
+from once.engine.kv.disagg.transfer import TransferStore
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.tiered_connector import TieredConnector
-from once.engine.kv.transfer import TransferStore
-from once.engine.kv.transfer_peers import PeerSet
 from once.kv_eviction.policies import eviction_factory
 
 

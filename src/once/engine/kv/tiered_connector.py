@@ -6,7 +6,7 @@
 
 The shared store is written as blocks fill whatever the mode, since its purpose is a
 replica that dies: blocks written only on eviction would die with it. So is a prefill
-engine's transfer store (kv/transfer.py), read by decode engines through their peers.
+engine's transfer store (kv/disagg/transfer.py), read by decode engines through their peers.
 
 Reading back goes through the host tier. A prefix hit in host memory is copied into the
 device during scheduling (a memcpy, or an H2D copy from pinned memory). A prefix that
@@ -32,11 +32,11 @@ import torch
 
 from once.engine.kv.block_codec import decode_block, encode_block
 from once.engine.kv.connector import KVConnector
+from once.engine.kv.disagg.peers import PeerSet
+from once.engine.kv.disagg.transfer import TransferStore
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
 from once.engine.kv.shared_tier import SharedTier
-from once.engine.kv.transfer import TransferStore
-from once.engine.kv.transfer_peers import PeerSet
 from once.protocol.kv_blocks import BlockRemoved, BlockStored, KVEvent
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@
 
 from dataclasses import replace
 
+from once.engine.kv.disagg.peers import PeerSet
+from once.engine.kv.disagg.transfer import TransferStore
 from once.engine.kv.tiered_connector import TieredConnector
-from once.engine.kv.transfer import TransferStore
-from once.engine.kv.transfer_peers import PeerSet
 from once.protocol.engine import GenerateRequest
 from once.protocol.errors import InvalidRequestError
 

@@ -7,8 +7,8 @@ import torch
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.kv.block_codec import encode_block
-from once.engine.kv.transfer import TransferStore
-from once.engine.kv.transfer_peers import PeerSet, open_peer
+from once.engine.kv.disagg.peers import PeerSet, open_peer
+from once.engine.kv.disagg.transfer import TransferStore
 from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import InvalidRequestError
 from tests.engine.test_engine_parity import assert_logits_match, capture_logits, prompts

@@ -21,11 +21,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from once.router.pd_split import SplitPolicy
+from once.router.disagg.split import SplitPolicy
 from once.sim.capacity import arrival_scale_for_load
 from once.sim.compare import ONCE_POLICY, Scenario, ratio, run_cluster
+from once.sim.disagg.transfer import PDConfig
 from once.sim.metrics import latencies
-from once.sim.pd import PDConfig
 from once.sim.workload import SimRequest, scale_arrivals
 
 TIGHT_TPOT_SLO_S = 0.025

@@ -17,7 +17,7 @@ the batch with its prompt cached. A peer that is gone, a block evicted meanwhile
 corrupt block: the run ends there and the decode engine computes the rest. The decode
 engine asks only for what its own prefix cache lacks (lookups start past its match).
 
-The peers are in kv/transfer_peers.py. Both transports have SharedTier's interface (`put`,
+The peers are in kv/disagg/peers.py. Both transports have SharedTier's interface (`put`,
 `get`, `discard`, `num_errors`):
 - shm, for one host: one file per block in a folder on /dev/shm (tmpfs, i.e. shared
   memory). The reader maps the file copy-on-write and decodes straight from the mapping,

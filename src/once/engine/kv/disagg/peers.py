@@ -1,4 +1,4 @@
-"""A decode engine's readers of prefill engines' transfer stores (kv/transfer.py).
+"""A decode engine's readers of prefill engines' transfer stores (kv/disagg/transfer.py).
 
 Each peer has the store's read side of SharedTier's interface (`get`, `num_errors`) and
 `release`, which tells the prefill engine this side is done with a request's blocks.
@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from once.engine.kv.transfer import (
+from once.engine.kv.disagg.transfer import (
     BLOCK_HASH,
     OP_GET,
     OP_RELEASE,

@@ -3,14 +3,14 @@ import random
 
 import pytest
 
-from once.router.pd_split import IDLE, PREFILL_BUSY, SHORT, SPLIT, SplitPolicy
+from once.router.disagg.split import IDLE, PREFILL_BUSY, SHORT, SPLIT, SplitPolicy
 from once.router.policies import ReplicaView, RequestView
 from once.sim import main
 from once.sim.cluster import Cluster
 from once.sim.compare import Scenario
+from once.sim.disagg.compare import PDGrid, compare_pd
+from once.sim.disagg.transfer import PDConfig
 from once.sim.latency import LatencyHistogram
-from once.sim.pd import PDConfig
-from once.sim.pd_compare import PDGrid, compare_pd
 from tests.sim.conftest import RoundRobinStandIn, make_profile, make_request
 from tests.sim.test_cli import _mooncake_file
 

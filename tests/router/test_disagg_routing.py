@@ -12,7 +12,7 @@ from once.engine.scripted import ScriptedEngine
 from once.engine.server import build_engine_app
 from once.engine.testing import make_tiny_model
 from once.router import OpenAICompletionsClient, Router, RouterConfig
-from once.router.pd_split import SplitPolicy
+from once.router.disagg.split import SplitPolicy
 from once.router.replicas import Replica, in_process_replica
 from once.router.serve import build_parser, build_router
 from tests.router.fake_vllm import build_fake_vllm, serve_app

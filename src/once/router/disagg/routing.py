@@ -2,7 +2,7 @@
 
 With replicas of role "prefill" among its replicas, the router routes every request to a
 decode replica (role "decode" or "both") with its policy, as without them, and then asks
-the split policy (`once.router.pd_split`, shared with the simulator) whether the request
+the split policy (`once.router.disagg.split`, shared with the simulator) whether the request
 goes through a prefill replica first. If it does:
 
 1. the prefill leg: the same prompt to the prefill replica with one output token and
@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import replace
 
 from once.protocol.engine import GenerateRequest
-from once.router.pd_split import DECISIONS, SPLIT, SplitPolicy
+from once.router.disagg.split import DECISIONS, SPLIT, SplitPolicy
 from once.router.policies import ReplicaView, RequestView
 from once.router.replicas import ReplicaFailure
 

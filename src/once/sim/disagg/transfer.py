@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from once.router.pd_split import DECISIONS, SplitPolicy
+from once.router.disagg.split import DECISIONS, SplitPolicy
 from once.sim.profiles import ReplicaProfile
 from once.sim.replica import RequestState
 
