@@ -222,7 +222,7 @@ def build_gateway(config, engine_config, registry=None):
     run a torch model."""
     from once.gateway.app import create_gateway
     from once.gateway.model import ModelRuntime
-    from once.gateway.safety import build_safety_checker
+    from once.gateway.safety.checker import build_safety_checker
     from once.protocol import responses
 
     if config.engine_url or config.openai_url:
@@ -468,7 +468,7 @@ def main(argv=None) -> int:
 
         return sim_main(rest)
     if args.command == "capacity":
-        from once.gateway.capacity_plan import main as capacity_main
+        from once.gateway.admission.capacity_plan import main as capacity_main
 
         return capacity_main(rest)
     if rest:

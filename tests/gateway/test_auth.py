@@ -2,7 +2,7 @@ import hashlib
 
 import pytest
 
-from once.gateway.auth import KeyRing, Tenant
+from once.gateway.admission.auth import KeyRing, Tenant
 from once.protocol.errors import AuthenticationError
 
 GOOD_CONFIG = """

@@ -7,14 +7,14 @@ from pathlib import Path
 import prometheus_client
 import pytest
 
-from once.gateway import capacity, capacity_plan
-from once.gateway.capacity import (
+from once.gateway.admission import capacity, capacity_plan
+from once.gateway.admission.capacity import (
     CpuCostMeter,
     cpu_model_name,
     parse_load_report_header,
     usable_cores,
 )
-from once.gateway.capacity_plan import main, measure_tokenizer_costs, plan_capacity
+from once.gateway.admission.capacity_plan import main, measure_tokenizer_costs, plan_capacity
 from once.protocol.errors import InvalidRequestError
 
 EXAMPLE_FLEET = Path(__file__).resolve().parents[2] / "examples" / "fleet.toml"

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.safety import SafetyChecker
+from once.gateway.safety.checker import SafetyChecker
 from once.gateway.testing import prepare_request, response_events
 from tests.gateway.conftest import MODEL, scripted_texts
 from tests.gateway.test_safety_pipeline import SleepyClassifier

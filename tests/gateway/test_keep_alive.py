@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from once.gateway.config import GatewayConfig
-from once.gateway.keep_alive import KEEP_ALIVE, with_keep_alives
+from once.gateway.front.keep_alive import KEEP_ALIVE, with_keep_alives
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 TTFT_S = 1.5  # many intervals: even a starved event loop fires the timer once

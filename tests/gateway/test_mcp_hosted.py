@@ -18,9 +18,9 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 from openai.types.responses import Response
 
-from once.gateway.hosted import HostedTools
-from once.gateway.mcp_hosted import RemoteMcp
-from once.gateway.mcp_policy import is_allowed, needs_approval
+from once.gateway.hosted.base import HostedTools
+from once.gateway.hosted.mcp import RemoteMcp
+from once.gateway.hosted.mcp_policy import is_allowed, needs_approval
 from once.gateway.testing import CannedMcpServers, serve_app
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 from tests.gateway.test_http import client_for, validate_events

@@ -18,7 +18,7 @@ from schemathesis.engine import events, from_schema
 
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.openapi import OPERATIONS, documented_routes
+from once.gateway.front.openapi import OPERATIONS, documented_routes
 from once.gateway.testing import cycling_texts, offline_hosted
 from tests.gateway.conftest import MODEL
 

@@ -16,15 +16,15 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from once.gateway.hosted import HostedTools
-from once.gateway.program_tool import (
+from once.gateway.hosted.base import HostedTools
+from once.gateway.hosted.program_tool import (
     PROGRAM_TOOL_NAME,
     FingerprintMismatch,
     new_fingerprint,
     replay_determinism,
 )
-from once.gateway.programs import ProgrammaticToolCalling
-from once.gateway.render import sorted_tools
+from once.gateway.hosted.programs import ProgrammaticToolCalling
+from once.gateway.prompt.render import sorted_tools
 from once.js_runtime.limits import RunLimits
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 from tests.gateway.test_http import as_input, client_for, metric, user, validate_events

@@ -32,7 +32,7 @@ from pydantic import TypeAdapter
 
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.openapi import openapi_document
+from once.gateway.front.openapi import openapi_document
 from once.gateway.testing import offline_hosted, scripted_texts
 from tests.gateway.conftest import MODEL
 

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-from once.gateway.auth import Tenant
-from once.gateway.ratelimit import RateLimiter
+from once.gateway.admission.auth import Tenant
+from once.gateway.admission.ratelimit import RateLimiter
 from once.protocol.errors import RateLimitError
 from tests.gateway.test_store import redis_url  # noqa: F401  (a fixture: real redis-server)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from once.gateway.render import PromptRenderer, canonical_tool, sorted_tools, tools_block
-from once.gateway.tokens import ConversationState, PromptBuilder, render_key
+from once.gateway.prompt.render import PromptRenderer, canonical_tool, sorted_tools, tools_block
+from once.gateway.prompt.tokens import ConversationState, PromptBuilder, render_key
 from once.protocol.responses import canonical_json, parse_request
 
 KEY = "test"

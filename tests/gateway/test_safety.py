@@ -4,7 +4,7 @@ import time
 import pytest
 
 from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
-from once.gateway.safety import (
+from once.gateway.safety.checker import (
     DEFAULT_THRESHOLD,
     EmbeddingClassifier,
     RuleClassifier,
@@ -16,7 +16,7 @@ from once.gateway.safety import (
     split_into_chunks,
     time_standalone,
 )
-from once.gateway.safety_exemplars import EXEMPLARS
+from once.gateway.safety.exemplars import EXEMPLARS
 
 # What the wiring (cli.py) hands the embedding classifier.
 WIRING = {"embedder_factory": SentenceEmbedder, "worker_initializer": limit_this_thread_to_one_core}

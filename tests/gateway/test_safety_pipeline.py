@@ -15,12 +15,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
+from once.gateway.admission.auth import DEFAULT_TENANT
 from once.gateway.app import create_gateway
-from once.gateway.auth import DEFAULT_TENANT
 from once.gateway.config import GatewayConfig
-from once.gateway.conversation import ConnectionCache
 from once.gateway.pipeline import ResponsePipeline
-from once.gateway.safety import EmbeddingClassifier, RuleClassifier, SafetyChecker, SafetyVerdict
+from once.gateway.safety.checker import (
+    EmbeddingClassifier,
+    RuleClassifier,
+    SafetyChecker,
+    SafetyVerdict,
+)
+from once.gateway.state.conversation import ConnectionCache
 from once.gateway.testing import prepare_request, response_events
 from once.protocol.engine import FINISH_ABORT, FINISH_STOP
 from once.protocol.errors import PreviousResponseNotFoundError

@@ -6,12 +6,12 @@ prompt the engine gets through the incremental path must equal it token for toke
 
 from prometheus_client import CollectorRegistry
 
+from once.gateway.admission.auth import Tenant
 from once.gateway.app import create_gateway
-from once.gateway.auth import Tenant
 from once.gateway.config import GatewayConfig
-from once.gateway.prefix_states import PrefixStates, chain, chain_seed
+from once.gateway.prompt.tokens import INCREMENTAL, ConversationState, render_key
+from once.gateway.state.prefix_states import PrefixStates, chain, chain_seed
 from once.gateway.testing import prepare_request, response_events
-from once.gateway.tokens import INCREMENTAL, ConversationState, render_key
 from tests.gateway.conftest import MODEL, scripted_texts
 
 CALL = '<tool_call>\n{"name": "shell", "arguments": {"cmd": "ls"}}\n</tool_call>'

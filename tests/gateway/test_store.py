@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from once.gateway.store import (
+from once.gateway.state.store import (
     MemoryResponseStore,
     RedisResponseStore,
     SQLiteResponseStore,
@@ -299,7 +299,7 @@ async def test_sqlite_corrupt_row_reads_as_none(tmp_path, caplog, corruption):
     await store.put(make_record("resp_2", "other"))
     with sqlite3.connect(path) as conn:
         conn.execute(corruption + " WHERE id = 'resp_1'")
-    with caplog.at_level(logging.WARNING, logger="once.gateway.store"):
+    with caplog.at_level(logging.WARNING, logger="once.gateway.state.store"):
         assert await store.get("resp_1", "acme") is None
     assert "corrupt" in caplog.text
     assert (await store.get("resp_2", "other")).id == "resp_2"  # the rest is unharmed
@@ -323,7 +323,7 @@ async def test_redis_corrupt_value_reads_as_none(redis_url, caplog):
     client = redis.Redis.from_url(redis_url)
     for garbage in (b"garbage", client.get(key)[:40]):
         client.set(key, garbage)
-        with caplog.at_level(logging.WARNING, logger="once.gateway.store"):
+        with caplog.at_level(logging.WARNING, logger="once.gateway.state.store"):
             assert await store.get("resp_c", "acme") is None
     assert "corrupt" in caplog.text
     client.close()
@@ -343,7 +343,7 @@ async def test_redis_gateways_share_state(redis_url):
 
 
 async def test_redis_down_is_a_clear_503():
-    from once.gateway.store import ResponseStoreUnavailableError
+    from once.gateway.state.store import ResponseStoreUnavailableError
 
     store = RedisResponseStore(f"redis://127.0.0.1:{_free_port()}/0", ttl_s=60)
     with pytest.raises(ResponseStoreUnavailableError) as info:
@@ -384,7 +384,7 @@ def test_ttl_must_be_positive(ttl_s):
 
 
 async def test_a_capped_sqlite_store_refuses_puts_when_full_and_keeps_what_it_has(tmp_path):
-    from once.gateway.store import ResponseStoreUnavailableError
+    from once.gateway.state.store import ResponseStoreUnavailableError
 
     store = open_store(f"sqlite:///{tmp_path / 'capped.db'}", ttl_s=60, max_bytes=40_000)
     big = {"id": "x", "text": "y" * 3000}

@@ -30,12 +30,12 @@ from once.bench.traces import (
 from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.conversation import ConnectionCache
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import INLINE_RENDER_CHARS
-from once.gateway.render import NotIncrementalError
+from once.gateway.prompt.render import NotIncrementalError
+from once.gateway.prompt.tokens import FULL, INCREMENTAL, ConversationState
+from once.gateway.state.conversation import ConnectionCache
 from once.gateway.testing import prepare_request, response_events
-from once.gateway.tokens import FULL, INCREMENTAL, ConversationState
 from once.protocol.errors import PreviousResponseNotFoundError
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 

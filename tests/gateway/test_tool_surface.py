@@ -9,7 +9,7 @@ import httpx
 import openai
 from openai.types.responses import Response
 
-from once.gateway.toolcalls import render_tool_call
+from once.gateway.prompt.toolcalls import render_tool_call
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 NAMESPACE = {

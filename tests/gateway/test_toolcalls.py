@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from once.gateway.toolcalls import (
+from once.gateway.prompt.toolcalls import (
     TextDelta,
     ToolCallMalformed,
     ToolCallParsed,

@@ -15,27 +15,27 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 
+from once.gateway.admission.auth import KeyRing
+from once.gateway.admission.capacity import CpuCostMeter
+from once.gateway.admission.ratelimit import RateLimiter
 from once.gateway.aliases import ModelAliases
-from once.gateway.auth import KeyRing
-from once.gateway.capacity import CpuCostMeter
-from once.gateway.chat_http import chat_routes
+from once.gateway.apis.chat.http import chat_routes
+from once.gateway.apis.messages.http import anthropic_error_response, messages_routes
+from once.gateway.apis.responses.http import responses_routes
+from once.gateway.apis.responses.websocket import serve_connection
 from once.gateway.config import GatewayConfig
-from once.gateway.hosted import HostedTools, ToolSearch
-from once.gateway.hosted_backends import HostedBackends
-from once.gateway.http_io import error_response
-from once.gateway.mcp_hosted import RemoteMcp
-from once.gateway.messages_http import anthropic_error_response, messages_routes
+from once.gateway.front.http_io import error_response
+from once.gateway.front.openapi import PathMethods, documented_routes, encoded_document
+from once.gateway.front.slow_clients import BodyDeadline
+from once.gateway.hosted.backends import HostedBackends
+from once.gateway.hosted.base import HostedTools, ToolSearch
+from once.gateway.hosted.mcp import RemoteMcp
+from once.gateway.hosted.programs import ProgrammaticToolCalling
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
-from once.gateway.openapi import PathMethods, documented_routes, encoded_document
 from once.gateway.pipeline import ResponsePipeline
-from once.gateway.prefix_states import PrefixStates
-from once.gateway.programs import ProgrammaticToolCalling
-from once.gateway.ratelimit import RateLimiter
-from once.gateway.responses_http import responses_routes
-from once.gateway.slow_clients import BodyDeadline
-from once.gateway.store import open_store
-from once.gateway.websocket import serve_connection
+from once.gateway.state.prefix_states import PrefixStates
+from once.gateway.state.store import open_store
 from once.protocol.engine import EngineClient
 from once.protocol.errors import (
     InvalidRequestError,

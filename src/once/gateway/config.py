@@ -53,7 +53,7 @@ class GatewayConfig:
     # (aliases.py), {}: none.
     aliases: dict | None = None
     # [gateway.hosted_backends.<tool>]: the MCP server serving a hosted tool type
-    # (hosted_backends.py); ONCE_GATEWAY_HOSTED_BACKENDS takes the same as a JSON object.
+    # (hosted/backends.py); ONCE_GATEWAY_HOSTED_BACKENDS takes the same as a JSON object.
     hosted_backends: dict = field(default_factory=dict)
     tls_certfile: str | None = None
     tls_keyfile: str | None = None

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from once.gateway.detok import IncrementalDetokenizer
-from once.gateway.mcp_policy import approval_rule
+from once.gateway.hosted.mcp_policy import approval_rule
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.output import (
     COMPLETED,
@@ -31,16 +31,16 @@ from once.gateway.output import (
     Usage,
 )
 from once.gateway.prepare import Prepared
-from once.gateway.safety import SafetyVerdict
-from once.gateway.stops import StopMatcher
-from once.gateway.tokens import BuiltPrompt
-from once.gateway.tool_items import call_item, declared_types
-from once.gateway.toolcalls import (
+from once.gateway.prompt.tokens import BuiltPrompt
+from once.gateway.prompt.tool_items import call_item, declared_types
+from once.gateway.prompt.toolcalls import (
     TextDelta,
     ToolCallMalformed,
     ToolCallParsed,
     ToolCallStreamParser,
 )
+from once.gateway.safety.checker import SafetyVerdict
+from once.gateway.stops import StopMatcher
 from once.gateway.validation import safety_texts
 from once.protocol.engine import (
     FINISH_ABORT,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from once.gateway.output import Usage
-from once.gateway.tokens import FULL, BuiltPrompt
+from once.gateway.prompt.tokens import FULL, BuiltPrompt
 
 # Fine below the 5 ms bar, where the added time of a response lies: `once bench gateway`
 # interpolates its percentiles within these buckets.

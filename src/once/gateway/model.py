@@ -5,9 +5,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from once.gateway.detok import contiguous_vocab_bound
-from once.gateway.render import PromptRenderer
-from once.gateway.safety import SafetyChecker
-from once.gateway.tokens import PromptBuilder
+from once.gateway.prompt.render import PromptRenderer
+from once.gateway.prompt.tokens import PromptBuilder
+from once.gateway.safety.checker import SafetyChecker
 from once.model_files import load_tokenizer
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ works on before it is done (an MCP call), `ItemStarted` and later its `ItemEmitt
 import secrets
 from dataclasses import dataclass
 
-from once.gateway.tool_items import CALL_TYPES
+from once.gateway.prompt.tool_items import CALL_TYPES
 
 COMPLETED = "completed"
 INCOMPLETE = "incomplete"  # with a reason: max_output_tokens, content_filter, cancelled
@@ -193,7 +193,7 @@ class OutputBuilder:
         return events
 
     def hosted_call(self, fields: dict) -> list[OutputEvent]:
-        """A call the gateway runs (hosted.py): in progress until its tool finishes it."""
+        """A call the gateway runs (hosted/base.py): in progress until its tool finishes it."""
         return self.tool_call(fields, in_progress=fields["type"] in RUN_IN_PROGRESS)
 
     def hosted_items(self, items: list[dict]) -> list[OutputEvent]:

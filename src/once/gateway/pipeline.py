@@ -3,7 +3,7 @@
     admit    schema -> semantics -> API key -> request rate limit      (400/401/404/429)
     prepare  previous state -> render + tokenize (only the new items of a continuation)
              -> context length -> token rate limit -> the hosted tools' work the request
-             brings (a program's outputs, an MCP approval or listing; hosted.py)
+             brings (a program's outputs, an MCP approval or listing; hosted/base.py)
     stream   dispatch to the EngineClient with the input check beside it -> detokenize,
              parse tool calls -> neutral output events -> the API's encoder -> framing;
              the conversation is saved before the final event goes out, since a client
@@ -33,24 +33,24 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from once.gateway.admission.auth import KeyRing, Tenant
+from once.gateway.admission.capacity import CpuCostMeter
+from once.gateway.admission.ratelimit import RateLimiter
 from once.gateway.aliases import ModelAliases
-from once.gateway.auth import KeyRing, Tenant
-from once.gateway.capacity import CpuCostMeter
-from once.gateway.constraints import output_constraint
-from once.gateway.conversation import ConnectionCache, Conversations, SavedTurn
+from once.gateway.front.keep_alive import KEEP_ALIVE, with_keep_alives
 from once.gateway.generation import EventBatch, Generation
-from once.gateway.hosted import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, HostedTurn
-from once.gateway.keep_alive import KEEP_ALIVE, with_keep_alives
+from once.gateway.hosted.base import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, HostedTurn
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import COMPLETED, OutputEvent, Usage
 from once.gateway.pause_hints import pause_hint
-from once.gateway.prefix_states import KeptState, PrefixStates, states_after_response
 from once.gateway.prepare import Prepared, PromptPreparer
-from once.gateway.ratelimit import RateLimiter
-from once.gateway.store import ResponseStore
-from once.gateway.tokens import BuiltPrompt, ConversationState
-from once.gateway.tool_items import hosted_tool_names
+from once.gateway.prompt.constraints import output_constraint
+from once.gateway.prompt.tokens import BuiltPrompt, ConversationState
+from once.gateway.prompt.tool_items import hosted_tool_names
+from once.gateway.state.conversation import ConnectionCache, Conversations, SavedTurn
+from once.gateway.state.prefix_states import KeptState, PrefixStates, states_after_response
+from once.gateway.state.store import ResponseStore
 from once.gateway.validation import check_semantics
 from once.gateway.warm_up import warm_up_events
 from once.protocol.engine import EngineClient, SamplingParams
@@ -201,7 +201,7 @@ class ResponsePipeline:
         return prepared
 
     async def _open_hosted(self, prepared: Prepared) -> HostedOutcome | None:
-        """The hosted tools' work the request brings before generation (hosted.py): here,
+        """The hosted tools' work the request brings before generation (hosted/base.py): here,
         before the first event, so a request that cannot go on is refused like any other."""
         request = prepared.request
         if not request.generate or not self.hosted.opens(request):
@@ -278,7 +278,7 @@ class ResponsePipeline:
         output = prepared.output
         built, usage = prepared.built, Usage(0, 0, 0)
         if prepared.opened is not None:
-            # What the request resumed or brought (hosted.py) comes first.
+            # What the request resumed or brought (hosted/base.py) comes first.
             batch = output.started() + output.hosted_items(prepared.opened.items)
             if prepared.opened.suspend:
                 final = FinalSave(list(built.context_ids), [], True, verification)
@@ -330,7 +330,7 @@ class ResponsePipeline:
                 return
 
     def _suspended(self, prepared: Prepared, usage: Usage) -> list[OutputEvent]:
-        """The response ends where a hosted tool waits for the client (hosted.py)."""
+        """The response ends where a hosted tool waits for the client (hosted/base.py)."""
         self.metrics.record_usage(usage)
         return prepared.output.finish(COMPLETED, usage)
 

@@ -19,15 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from once.cpus import usable_cores
-from once.gateway.auth import Tenant
-from once.gateway.conversation import ConnectionCache, Conversations
-from once.gateway.hosted import HostedOutcome
+from once.gateway.admission.auth import Tenant
+from once.gateway.hosted.base import HostedOutcome
 from once.gateway.metrics import AddedTime, GatewayMetrics
 from once.gateway.model import ModelRuntime
 from once.gateway.output import OutputBuilder, new_id
-from once.gateway.prefix_states import find_prefix
-from once.gateway.render import NotIncrementalError
-from once.gateway.tokens import INCREMENTAL, BuiltPrompt, ConversationState, render_key
+from once.gateway.prompt.render import NotIncrementalError
+from once.gateway.prompt.tokens import INCREMENTAL, BuiltPrompt, ConversationState, render_key
+from once.gateway.state.conversation import ConnectionCache, Conversations
+from once.gateway.state.prefix_states import find_prefix
 from once.protocol.errors import ContextLengthExceededError
 from once.protocol.responses import ResponsesRequest
 
@@ -67,7 +67,7 @@ class Prepared:
     # tokenize, detokenize, events, framing.
     cpu_s: float = 0.0
     added: AddedTime = field(default_factory=AddedTime)
-    # What hosted tools did with the request before generation (hosted.py), if anything.
+    # What hosted tools did with the request before generation (hosted/base.py), if anything.
     opened: HostedOutcome | None = None
     output: OutputBuilder = field(init=False)
 
@@ -177,7 +177,7 @@ class PromptPreparer:
     async def next_step(
         self, prepared: Prepared, built: BuiltPrompt, step_items: Sequence[dict]
     ) -> BuiltPrompt:
-        """The prompt of a response's next step after a hosted call (hosted.py): the last
+        """The prompt of a response's next step after a hosted call (hosted/base.py): the last
         step's context (its prompt without the generation prompt) and the step's items."""
         request, model = prepared.request, prepared.model
         # The step's context ends with the request's last turn, which the model answered.

@@ -4,7 +4,7 @@
 the served model's tokenizer and ended with eos, as a model that stops would); the real
 gateway serves it on a free loopback port, so a harness under test speaks the real wire
 protocol (HTTP+SSE and WebSocket) to a model whose every answer is known.
-`CannedMcpServers` is the fake behind the hosted MCP tool's seam (mcp_hosted.py).
+`CannedMcpServers` is the fake behind the hosted MCP tool's seam (hosted/mcp.py).
 `cycling_texts` and `offline_hosted` make a gateway that answers anything, forever,
 without a network: what the contract tests and the fuzzer run against.
 """
@@ -21,16 +21,16 @@ from dataclasses import replace
 import uvicorn
 
 from once.engine.scripted import ScriptedEngine
+from once.gateway.apis.responses.http import responses_encoder
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.conversation import ConnectionCache
-from once.gateway.hosted import HostedTools, ToolSearch
-from once.gateway.mcp_hosted import UNREACHABLE, McpFailure, RemoteMcp
+from once.gateway.hosted.base import HostedTools, ToolSearch
+from once.gateway.hosted.mcp import UNREACHABLE, McpFailure, RemoteMcp
+from once.gateway.hosted.programs import ProgrammaticToolCalling
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
-from once.gateway.programs import ProgrammaticToolCalling
-from once.gateway.responses_http import responses_encoder
+from once.gateway.state.conversation import ConnectionCache
 from once.model_files import DEFAULT_MODEL
 from once.protocol.responses import parse_request
 
@@ -144,7 +144,7 @@ async def serve_gateway(
 
 
 class CannedMcpServers:
-    """MCP servers without a network (mcp_hosted.py's `McpServers`): each `server_url`
+    """MCP servers without a network (hosted/mcp.py's `McpServers`): each `server_url`
     lists the tools given for it and answers calls with `answer(name, arguments)` ->
     (text, is_error); a URL not given cannot be reached. `calls` records what was asked."""
 

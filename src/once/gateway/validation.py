@@ -11,10 +11,10 @@ import binascii
 import io
 
 from once.gateway.aliases import ModelAliases
-from once.gateway.constraints import callable_tools, check_tool_grammars, forced_names
 from once.gateway.model import ModelRuntime
 from once.gateway.pause_hints import pause_table
-from once.gateway.tool_items import OUTPUT_TYPES, output_item_text
+from once.gateway.prompt.constraints import callable_tools, check_tool_grammars, forced_names
+from once.gateway.prompt.tool_items import OUTPUT_TYPES, output_item_text
 from once.protocol.errors import InvalidRequestError, ModelNotFoundError
 from once.protocol.responses import MESSAGE, ResponsesRequest, message_text
 

@@ -19,8 +19,8 @@ from once.gateway.aliases import default_table
 from once.gateway.config import GatewayConfig
 from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
+from once.gateway.prompt.toolcalls import render_tool_call
 from once.gateway.testing import serve_gateway
-from once.gateway.toolcalls import render_tool_call
 
 # Codex's and Claude Code's system prompts and tool lists run past SmolLM2's 8k positions:
 # the scripted engine has no positions to run out of, so the bound is the gateway's.

@@ -19,7 +19,7 @@ from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_cor
 from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
-from once.gateway.safety import build_safety_checker, time_standalone
+from once.gateway.safety.checker import build_safety_checker, time_standalone
 from once.gateway.testing import prepare_request, response_events
 from once.protocol.responses import message_text
 

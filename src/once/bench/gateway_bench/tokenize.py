@@ -25,8 +25,8 @@ import time
 
 from once.bench.payloads import chains, full_request_reason, session_requests
 from once.bench.traces import load_sessions
-from once.gateway.prefix_states import PrefixStates, find_prefix, states_after_response
-from once.gateway.tokens import ConversationState, render_key
+from once.gateway.prompt.tokens import ConversationState, render_key
+from once.gateway.state.prefix_states import PrefixStates, find_prefix, states_after_response
 from once.heap import freeze_startup_heap
 
 TENANT = "bench"

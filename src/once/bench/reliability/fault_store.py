@@ -31,8 +31,8 @@ from once.bench.reliability.fault_kit import (
     user,
 )
 from once.engine.scripted import ScriptedEngine
+from once.gateway.apis.responses.events import STORE_ERROR_FIELD
 from once.gateway.config import GatewayConfig
-from once.gateway.responses_events import STORE_ERROR_FIELD
 from once.gateway.testing import DEFAULT_MODEL, serve_gateway
 
 STORE_MAX_BYTES = 96 * 1024  # a few dozen responses of the size sent here

@@ -13,7 +13,7 @@ import json
 from once.agent.tools.code_mode import CodeModeLimits, CodeModeTool
 from once.agent.tools.registry import ToolRegistry
 from once.bench.reliability.sandbox_arena import Arena, Attempt, Outcome, outcome
-from once.gateway.program_tool import PROGRAM_LIMITS
+from once.gateway.hosted.program_tool import PROGRAM_LIMITS
 from once.js_runtime.limits import Determinism, RunLimits
 from once.js_runtime.runner import Answer, ProgramCall, ProgramRun, Replay
 

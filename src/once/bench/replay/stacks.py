@@ -36,7 +36,7 @@ from once.bench.replay.timeouts import PATIENT, ClientTimeouts
 from once.bench.replay.vllm_pool import VllmFleet, VllmPool, literal_grammar, open_vllm_fleet
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
-from once.gateway.render import NotIncrementalError
+from once.gateway.prompt.render import NotIncrementalError
 from once.protocol.engine import EngineClient
 
 if TYPE_CHECKING:  # the engine (and torch) is imported when a stack opens

@@ -1,0 +1,1 @@
+"""Before a response starts: API keys per tenant, rate limits, the CPU cost meter."""

@@ -1,0 +1,1 @@
+"""Anthropic Messages: the front end and the event encoder (adapter: protocol/messages.py)."""

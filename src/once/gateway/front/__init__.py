@@ -1,0 +1,1 @@
+"""What the HTTP front ends share: body reads, replies, SSE frames, keep-alives, OpenAPI."""

@@ -1,0 +1,1 @@
+"""Hosted tools: the HostedTool seam (base.py) and the tools the gateway runs itself."""

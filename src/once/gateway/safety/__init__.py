@@ -1,0 +1,1 @@
+"""Input classifiers: rules and the embedding classifier, and their exemplars."""

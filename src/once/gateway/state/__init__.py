@@ -1,0 +1,1 @@
+"""Conversations across requests: the response store, kept prefix states, connections."""
