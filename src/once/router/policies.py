@@ -347,10 +347,10 @@ class PredictedTTFT:
     must promise the first token in half the time), so an approximate index or a noisy
     speed estimate does not bounce a conversation between replicas, yet a home that
     became much slower is left. A move recomputes the session's whole history on a
-    replica that then holds a second copy of it, so the bar to leave is set high. The check leaves the decode term
-    out whatever decode_weight is: it stands for the load a request adds to a busy batch,
-    not worth throwing its session's cache away for (with it in, the check overrates a busy
-    home's TTFT and moves sessions off their cache).
+    replica that then holds a second copy of it, so the bar to leave is set high. The check
+    leaves the decode term out whatever decode_weight is: it stands for the load a request
+    adds to a busy batch, not worth throwing its session's cache away for (with it in, the
+    check overrates a busy home's TTFT and moves sessions off their cache).
 
     Prefix affinity, for requests without a session key (the Mooncake trace has none):
     the replica holding the longest cached prefix (device and lower tiers together), when
