@@ -4,7 +4,7 @@ import gc
 import weakref
 
 from once.engine.scripted import ScriptedEngine
-from once.engine.server import build_engine_app
+from once.engine_http.server import build_engine_app
 from tests.memory import forget_endpoints, process_status
 
 

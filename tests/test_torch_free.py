@@ -16,7 +16,7 @@ TORCH_FREE_MODULES = [
     "once.agent.session",
     "once.router.router",
     "once.model_files",
-    "once.engine.client",  # the remote engine's client, which `once serve` uses
+    "once.engine_http.client",  # the remote engine's client, which `once serve` uses
     "once.gateway.app",
     "once.tool_search",  # the harness's and the gateway's tool search; embedders come in
 ]

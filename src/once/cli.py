@@ -164,7 +164,7 @@ def cmd_engine(args) -> int:
     import uvicorn
 
     from once.engine.async_engine import AsyncEngine
-    from once.engine.server import build_engine_app
+    from once.engine_http.server import build_engine_app
     from once.heap import freeze_startup_heap
 
     config = _engine_config(args)
@@ -268,7 +268,7 @@ def _remote_engine(config):
         engine = OpenAICompletionsClient(config.openai_url, name)
         max_len = max_len or served_len
     else:
-        from once.engine.client import RemoteEngineClient
+        from once.engine_http.client import RemoteEngineClient
 
         engine = RemoteEngineClient(config.engine_url)
     max_len = max_len or ModelConfig.from_hf(read_hf_config(folder)).max_position_embeddings

@@ -7,12 +7,12 @@ import re
 import pytest
 
 from once.engine.async_engine import AsyncEngine
-from once.engine.client import RemoteEngineClient
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.scripted import ScriptedEngine
-from once.engine.server import build_engine_app, parse_generate_request
 from once.engine.testing import byte_grammar_tokenizer
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app, parse_generate_request
 from once.gateway.testing import serve_app
 from once.protocol.engine import GenerateRequest, OutputConstraint, SamplingParams
 from once.protocol.errors import InvalidRequestError

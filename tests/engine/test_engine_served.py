@@ -1,9 +1,9 @@
 """The real AsyncEngine behind `once engine`'s HTTP app, through RemoteEngineClient."""
 
 from once.engine.async_engine import AsyncEngine
-from once.engine.client import RemoteEngineClient
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
+from once.engine_http.client import RemoteEngineClient
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 from .test_server import collect, serve

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from once.engine.async_engine import AsyncEngine
-from once.engine.client import RemoteEngineClient
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.scripted import ScriptedEngine, scripted_logprobs
-from once.engine.server import build_engine_app, parse_generate_request
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app, parse_generate_request
 from once.gateway.testing import serve_app
 from once.protocol.engine import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob
 from once.protocol.errors import InvalidRequestError

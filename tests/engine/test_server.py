@@ -7,9 +7,9 @@ import socket
 import httpx
 import pytest
 
-from once.engine.client import RemoteEngineClient
 from once.engine.scripted import ScriptedEngine
-from once.engine.server import build_engine_app
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app
 from once.gateway.testing import serve_app
 from once.protocol.engine import GenerateRequest, SamplingParams, TokenDelta
 from once.protocol.errors import ContextLengthExceededError, EngineDeadError, OnceError
@@ -222,7 +222,7 @@ async def test_unreachable_engine_is_engine_dead():
 
 
 def test_stats_collector_maps_known_keys_and_exports_unknown_numbers():
-    from once.engine.metrics import EngineMetrics
+    from once.engine_http.metrics import EngineMetrics
 
     text = (
         EngineMetrics()

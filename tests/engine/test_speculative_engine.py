@@ -7,8 +7,8 @@ import pytest
 
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
-from once.engine.metrics import EngineMetrics
 from once.engine.speculative import Draft
+from once.engine_http.metrics import EngineMetrics
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 

@@ -8,8 +8,8 @@ import openai
 import pytest
 
 from once.agent.transport.websocket import WebSocketTransport
-from once.engine.client import RemoteEngineClient
-from once.engine.server import build_engine_app
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app
 from once.gateway.testing import serve_app
 from once.router.replicas import Replica
 from once.router.router import Router, RouterConfig

@@ -5,12 +5,12 @@ import httpx
 import pytest
 
 from once.engine.async_engine import AsyncEngine
-from once.engine.client import RemoteEngineClient
 from once.engine.config import EngineConfig
 from once.engine.core import LLMEngine
 from once.engine.scripted import ScriptedEngine
-from once.engine.server import build_engine_app
 from once.engine.testing import make_tiny_model
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app
 from once.router import OpenAICompletionsClient, Router, RouterConfig
 from once.router.disagg.split import SplitPolicy
 from once.router.replicas import Replica, in_process_replica

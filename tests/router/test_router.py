@@ -2,9 +2,9 @@ import asyncio
 
 import pytest
 
-from once.engine.client import RemoteEngineClient
 from once.engine.scripted import ScriptedEngine, scripted_logprobs
-from once.engine.server import build_engine_app
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app
 from once.gateway.testing import serve_app
 from once.protocol.engine import EngineClient, GenerateRequest, SamplingParams
 from once.protocol.errors import ContextLengthExceededError, EngineDeadError

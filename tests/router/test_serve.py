@@ -5,9 +5,9 @@ import contextlib
 
 import pytest
 
-from once.engine.client import RemoteEngineClient
 from once.engine.scripted import ScriptedEngine
-from once.engine.server import build_engine_app
+from once.engine_http.client import RemoteEngineClient
+from once.engine_http.server import build_engine_app
 from once.protocol.errors import EngineDeadError
 from once.router.replicas import PrefillSpeedMeter
 from once.router.serve import build_parser, build_router, main
@@ -167,7 +167,7 @@ async def test_a_drained_connection_pool_is_engine_unavailable_not_a_hang():
 
     import httpx
 
-    from once.engine.client import DEFAULT_TIMEOUT, POOL_TIMEOUT_S
+    from once.engine_http.client import DEFAULT_TIMEOUT, POOL_TIMEOUT_S
 
     assert DEFAULT_TIMEOUT.pool == POOL_TIMEOUT_S < float("inf")  # every client, by default
     engine = ScriptedEngine(token_latency_s=0.5)

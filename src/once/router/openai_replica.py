@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Callable
 
 import httpx
 
-from once.engine.client import DEFAULT_TIMEOUT
+from once.engine_http.client import DEFAULT_TIMEOUT
 from once.protocol.engine import (
     FINISH_LENGTH,
     FINISH_STOP,

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import httpx
 
-from once.engine.client import RemoteEngineClient
+from once.engine_http.client import RemoteEngineClient
 from once.protocol.engine import EngineClient
 from once.router.disagg.split import SplitPolicy
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber
@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))  # exits with status 2 and the usage line
     import uvicorn  # noqa: PLC0415 - only when serving
 
-    from once.engine.server import build_engine_app  # noqa: PLC0415
+    from once.engine_http.server import build_engine_app  # noqa: PLC0415
     from once.heap import freeze_startup_heap  # noqa: PLC0415
 
     app = build_engine_app(router, model_name=args.served_model_name)

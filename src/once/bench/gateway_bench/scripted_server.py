@@ -42,7 +42,7 @@ def main() -> None:
     ids = output_ids(runtime.builder, eos)
     engine = ScriptedEngine(lambda request: ids, eos_token_id=eos)
     if args.mode == "engine":
-        from once.engine.server import build_engine_app
+        from once.engine_http.server import build_engine_app
 
         app = build_engine_app(engine, model_name=MODEL)
     else:

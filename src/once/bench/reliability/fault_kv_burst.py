@@ -67,8 +67,8 @@ class BurstClient:
 async def kv_blocks_exhausted_by_a_burst(context: FaultContext) -> FaultResult:
     from once.engine.async_engine import AsyncEngine
     from once.engine.config import EngineConfig
-    from once.engine.server import build_engine_app
     from once.engine.testing import make_tiny_model
+    from once.engine_http.server import build_engine_app
 
     folder = make_tiny_model(context.folder("kv_burst") / "tiny")
     config = EngineConfig(

@@ -18,7 +18,7 @@ import time
 
 from once.bench.reliability.fault_kit import FaultContext, FaultResult
 from once.bench.reliability.fault_servers import running_all
-from once.engine.client import RemoteEngineClient
+from once.engine_http.client import RemoteEngineClient
 from once.protocol.engine import GenerateRequest, SamplingParams
 from once.protocol.errors import EngineDeadError, OnceError
 from once.router.router import Router, RouterConfig

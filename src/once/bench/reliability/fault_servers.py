@@ -154,7 +154,7 @@ def _serve_replica(args: argparse.Namespace) -> None:
     import uvicorn
 
     from once.engine.scripted import ScriptedEngine
-    from once.engine.server import build_engine_app
+    from once.engine_http.server import build_engine_app
 
     engine = ScriptedEngine(ttft_s=args.ttft_s, token_latency_s=args.token_latency_s)
     app = build_engine_app(engine, model_name="scripted")

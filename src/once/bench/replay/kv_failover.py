@@ -28,7 +28,7 @@ from once.bench.replay.reference import common_prefix_length
 from once.bench.replay.replicas import start_replicas
 from once.bench.replay.sessions import find_session
 from once.bench.replay.stacks import load_served_runtime, make_tiny_replay_model
-from once.engine.client import RemoteEngineClient
+from once.engine_http.client import RemoteEngineClient
 from once.protocol.engine import GenerateRequest, SamplingParams
 
 DEFAULT_SESSION = "sweagent__claude-sonnet-4-20250514/django__django-15731"

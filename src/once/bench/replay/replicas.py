@@ -37,7 +37,7 @@ from pathlib import Path
 import httpx
 
 from once.bench.local_redis import redis_server
-from once.engine.client import RemoteEngineClient
+from once.engine_http.client import RemoteEngineClient
 from once.protocol.errors import OnceError
 from once.router.disagg.split import SplitPolicy
 from once.router.index import ExactPrefixIndex, zmq_event_subscriber

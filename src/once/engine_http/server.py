@@ -34,7 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from once.engine.metrics import EngineMetrics
+from once.engine_http.metrics import EngineMetrics
 from once.protocol.engine import (
     FINISH_ERROR,
     EngineClient,
