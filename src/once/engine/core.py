@@ -3,8 +3,9 @@
 The scheduler owns request state: it picks the step's work and, after the forward, moves
 the requests on (`Scheduler.update_from_output`). The engine owns what is counted across
 requests (its `counters`, `SpecDecodeStats`, the draft-length governor), the drafter, and
-the deltas it returns. Everything above it is asyncio; `AsyncEngine` (async_engine.py)
-runs this loop on a thread.
+the deltas it returns. KV outside the device pool (tiers, a prefill or decode role) is the
+connector's, which the engine meets at its lifecycle calls (kv/connector.py). Everything
+above it is asyncio; `AsyncEngine` (async_engine.py) runs this loop on a thread.
 """
 
 import logging
@@ -23,9 +24,7 @@ from once.engine.config import (
 from once.engine.grammar import GrammarCompiler, TokenizerFactory, tokenizer_from_model
 from once.engine.kv.block_io import BlockIO
 from once.engine.kv.blocks import BlockPool
-from once.engine.kv.connector import KVConnector
-from once.engine.kv.disagg.role import admit_for_role, finish_prefill, transfer_source
-from once.engine.kv.disagg.transfer import TransferStore
+from once.engine.kv.connector import KVConnector, NoOpConnector
 from once.engine.kv.manager import KVCacheManager
 from once.engine.kv.session_pauses import SessionPauses
 from once.engine.logprobs import token_logprobs
@@ -43,8 +42,6 @@ from once.kv_eviction.policies import eviction_factory
 from once.protocol.engine import (
     FINISH_ABORT,
     FINISH_ERROR,
-    FINISH_LENGTH,
-    FINISH_STOP,
     GenerateRequest,
     TokenDelta,
     TokenLogprob,
@@ -126,29 +123,29 @@ class LLMEngine:
             config.enable_prefix_caching,
             eviction_factory(config.kv_eviction, config.seed),
         )
+        if connector is None and config.has_kv_tiers:
+            from once.engine.kv.tier_setup import build_connector
+
+            block_shape = tuple(self.kv_cache.k[:, 0].shape)
+            connector = build_connector(config, self.model_path, block_shape, dtype, num_blocks)
+        # The KV outside the device pool: tiers, a prefill or decode role, or nothing.
+        self.connector: KVConnector = connector or NoOpConnector()
+        self.kv = KVCacheManager(
+            self.pool, connector, self.connector.load_block, self.connector.load_tail
+        )
+        self.blocks = BlockIO(self.kv_cache, self.pool, self.kv.block_ids)
+        self.connector.register_kv_cache(self.blocks)
+        self.pauses = SessionPauses(
+            self.pool, connector, self.blocks.read_block, config.kv_pause_keep_s
+        )
+        if self.connector.wants_evicted:
+            self.pool.on_evict = self.connector.offload_evicted
         self.kv_publisher = None
-        self.connector: KVConnector | None = None  # set below, once the tiers are built
         if config.kv_events_endpoint:
             from once.engine.kv.publisher import ZmqKVEventPublisher
 
             self.kv_publisher = ZmqKVEventPublisher(config.kv_events_endpoint)
             self.enable_kv_events()
-        if connector is None and config.has_kv_tiers:
-            from once.engine.kv.tier_setup import build_kv_tiers
-
-            block_shape = tuple(self.kv_cache.k[:, 0].shape)
-            connector = build_kv_tiers(config, self.model_path, block_shape, dtype, num_blocks)
-        self.connector = connector
-        self.blocks = BlockIO(self.kv_cache, self.pool, connector)
-        blocks = self.blocks
-        self.kv = KVCacheManager(self.pool, connector, blocks.load_block, blocks.load_tail)
-        self.pauses = SessionPauses(
-            self.pool, connector, self.blocks.read_block, config.kv_pause_keep_s
-        )
-        if connector is not None and connector.wants_evicted:
-            self.pool.on_evict = self.blocks.offload_evicted
-        if connector is not None and self.pool.record_events:
-            connector.record_events = True
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_seqs,
@@ -221,8 +218,7 @@ class LLMEngine:
 
     def add_request(self, request: GenerateRequest) -> None:
         self.validate(request)
-        if self.config.role != "both":
-            request = admit_for_role(request, self.config.role, self.blocks.tiers())
+        request = self.connector.on_arrival(request)  # a prefill role: one token
         if request.request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request.request_id!r} is already running", param="request_id"
@@ -236,15 +232,7 @@ class LLMEngine:
                 f"the engine has {limit} requests waiting for KV blocks; retry shortly"
             )
         state = Request(request, self.model_config.eos_token_ids, self.max_model_len)
-        params = request.kv_transfer_params or {}
-        state.kv_remote_tail = self.config.role == "decode" and bool(
-            params.get("do_remote_prefill")
-        )
-        if state.kv_remote_tail:
-            state.kv_transfer_source = transfer_source(request)
-        state.kv_hold_for_decode = self.config.role == "prefill" and bool(
-            params.get("do_remote_decode")
-        )
+        self.connector.on_admit(state, request.kv_transfer_params)
         constraint = request.sampling.constraint
         if constraint is not None and request.forced_output_ids is None:
             state.grammar = self.grammars.matcher(constraint)
@@ -309,13 +297,7 @@ class LLMEngine:
         logprobs = token_logprobs(logits, requests, committed)  # {} when no row asks
         if failed:
             requests, committed = self._fail_grammars(failed, requests, committed)
-        if self.kv.has_connector:
-            self.blocks.save_new_blocks()
-            if self.config.role == "prefill":
-                self.blocks.save_prompt_tails(out.scheduled, self.kv)
-        if self.config.role == "decode":
-            for item in out.scheduled:
-                self._release_transfer(item.request)  # admitted: its loads are over
+        self.connector.after_forward(out.scheduled)  # save, hand off, release transfers
         update = self.scheduler.update_from_output(out, requests, committed)
         self._record(update)
         deltas += self._deltas(update, logprobs)
@@ -448,38 +430,12 @@ class LLMEngine:
         delta.finish_reason = request.finish_reason
         delta.error = error
         delta.metrics = request.finalize_metrics()
-        if self.config.role == "prefill" and request.finish_reason in (FINISH_STOP, FINISH_LENGTH):
-            num_blocks = request.num_prompt_tokens // self.pool.block_size
-            delta.kv_transfer_params = finish_prefill(
-                request.request_id, request.block_hashes[:num_blocks],
-                request.kv_prompt_tail_hash, self.blocks.tiers(), self.blocks.read_block,
-                self.pool.block_size, hold=request.kv_hold_for_decode,
-            )  # fmt: skip
-        self._release_transfer(request)  # aborted or failed before its admission
+        delta.kv_transfer_params = self.connector.on_finish(request)
         if request.finish_reason != FINISH_ABORT:
             self.counters["num_requests_finished"] += 1
         self.counters["num_prompt_tokens"] += request.num_prompt_tokens
         self.counters["num_cached_prompt_tokens"] += request.metrics.num_cached_tokens
         return delta
-
-    def _release_transfer(self, request: Request) -> None:
-        source = request.kv_transfer_source
-        if source is not None:
-            request.kv_transfer_source = None
-            self.blocks.tiers().release_transfer(*source)
-
-    def _transfer_stats(self) -> dict:
-        transfer = getattr(self.connector, "transfer", None)
-        if isinstance(transfer, TransferStore):
-            return {
-                "kv_transfer_address": transfer.address,
-                "kv_transfer_blocks": len(transfer),
-                "kv_transfer_held_blocks": transfer.num_held_blocks,
-                "kv_transfer_holds": transfer.num_holds,
-                "kv_transfer_released": transfer.num_released,
-                "kv_transfer_expired": transfer.num_expired,
-            }
-        return {}
 
     def _take_pending(self) -> list[TokenDelta]:
         pending, self._pending = self._pending, []
@@ -492,8 +448,7 @@ class LLMEngine:
         queried = self.kv.num_query_tokens
         return {
             "model": str(self.model_path),
-            "role": self.config.role,
-            **self._transfer_stats(),
+            "role": self.connector.role,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks_total": pool.num_blocks,
@@ -518,20 +473,16 @@ class LLMEngine:
             **self.spec.to_stats(),
             "num_grammars_compiled": self.grammars.num_compiled,
             **self.masks.stats(),
-            **(self.connector.stats() if self.connector is not None else {}),
+            **self.connector.stats(),
         }
 
     def enable_kv_events(self) -> None:
         """Keep KV events for a consumer (they are dropped until one asks)."""
         self.pool.record_events = True
-        if self.connector is not None:
-            self.connector.record_events = True
+        self.connector.record_events = True
 
     def take_kv_events(self):
-        events = self.pool.take_events()
-        if self.connector is not None:
-            events += self.connector.take_events()
-        return events
+        return self.pool.take_events() + self.connector.take_events()
 
     def publish_kv_events(self) -> None:
         """Send the events since the last call to the ZMQ publisher, if there is one."""
@@ -540,8 +491,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Finish the KV tiers' queued writes and stop their threads."""
-        if self.connector is not None:
-            self.connector.close()
+        self.connector.close()
 
     def generate(self, requests: list[GenerateRequest]) -> dict[str, list[TokenDelta]]:
         """Run requests to completion (offline use, tests, benchmarks)."""

@@ -1,47 +1,50 @@
-"""Copying blocks between the paged KV cache and a connector (issue 30: block I/O in one
-place, out of the engine's step loop).
+"""Block I/O: where a block's K/V sits in the paged KV cache, for the copies between the
+cache and a connector (issue 30: block I/O in one place, out of the engine's step loop).
 
-Each method moves one block's K/V, shaped (num_layers, block_size, kv_heads, head_dim),
-between the cache's slot `block_id` and the connector: saving blocks this step made
-whole, a finished prompt's partial last block (for a decode engine), evicted blocks
-(write-back tiers), and loading a block or a prompt tail back into a slot. The pool, the
-KV manager and session pauses call these as their callbacks.
+A block's K (or V) across layers is the cache's [:, block_id]: (num_layers, block_size,
+kv_heads, head_dim). The connector (connector.py) copies through these views: blocks the
+step made whole, a finished prompt's partial last block (for a decode engine), evicted
+blocks (write-back tiers), and loads back into a slot. Session pauses read blocks by hash.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
 from once.engine.attention import PagedKVCache
-from once.engine.kv.block_codec import decode_block
 from once.engine.kv.blocks import BlockPool
-from once.engine.kv.connector import KVConnector
-from once.engine.kv.tiered_connector import TieredConnector
+from once.engine.request import Request
 from once.protocol.kv_blocks import prompt_tail_hash
 
 
 class BlockIO:
-    def __init__(self, kv_cache: PagedKVCache, pool: BlockPool, connector: KVConnector | None):
+    def __init__(
+        self,
+        kv_cache: PagedKVCache,
+        pool: BlockPool,
+        block_ids: Callable[[str], list[int]],  # a request's block table (KVCacheManager)
+    ):
         self.kv_cache = kv_cache
         self.pool = pool
-        self.connector = connector
+        self.block_ids = block_ids
 
-    def tiers(self) -> TieredConnector:
-        # A prefill or decode role always builds tiers (EngineConfig.has_kv_tiers).
-        assert isinstance(self.connector, TieredConnector)
-        return self.connector
-
-    def slot(self, block_id: int):
+    def slot(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv_cache.k[:, block_id], self.kv_cache.v[:, block_id]
 
-    def save_new_blocks(self) -> None:
-        # Blocks registered while scheduling this step now hold their computed K/V.
-        assert self.connector is not None  # the engine saves only with a connector
+    def take_new_blocks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(hash, K, V) of the blocks registered while scheduling this step: their K/V is
+        computed now."""
         for block in self.pool.take_newly_cached():
             assert block.block_hash is not None  # newly cached blocks are full, so hashed
-            self.connector.save(block.block_hash, *self.slot(block.block_id))
+            yield (block.block_hash, *self.slot(block.block_id))
 
-    def save_prompt_tails(self, scheduled, kv) -> None:
-        # A prompt finishing its prefill this step: its partial last block goes to the
-        # transfer store beside the full ones (protocol.kv_blocks.prompt_tail_hash).
+    def prompt_tails(
+        self, scheduled: Sequence
+    ) -> Iterator[tuple[Request, int, torch.Tensor, torch.Tensor]]:
+        """(request, tail hash, K, V) of each prompt that finishes its prefill this step
+        with a partial last block (protocol.kv_blocks.prompt_tail_hash)."""
         for item in scheduled:
             request = item.request
             if request.output_token_ids or request.num_computed_tokens + item.num_new_tokens < (
@@ -50,26 +53,11 @@ class BlockIO:
                 continue
             tail = prompt_tail_hash(request.block_hashes, request.prompt_token_ids,
                                     self.pool.block_size, request.cache_salt)  # fmt: skip
-            block_ids = kv.block_ids(request.request_id)
+            block_ids = self.block_ids(request.request_id)
             index = (request.num_prompt_tokens - 1) // self.pool.block_size
             if tail is not None and index < len(block_ids):
-                self.tiers().save_to_transfer(tail[0], *self.slot(block_ids[index]))
-                request.kv_prompt_tail_hash = tail[0]
-
-    def load_tail(self, block_id: int, tail_hash: int) -> bool:
-        connector = self.tiers()
-        data = connector.transfer.get(tail_hash) if connector.transfer is not None else None
-        k, v = self.slot(block_id)
-        return decode_block(data, connector.fingerprint, tail_hash, k, v)
-
-    def offload_evicted(self, block) -> None:
-        assert self.connector is not None  # the pool calls back only with a connector
-        self.connector.evicted(block.block_hash, *self.slot(block.block_id))
+                yield (request, tail[0], *self.slot(block_ids[index]))
 
     def read_block(self, block_hash: int):
         block = self.pool.cached.get(block_hash)
         return None if block is None else self.slot(block.block_id)
-
-    def load_block(self, block_id: int, block_hash: int) -> bool:
-        assert self.connector is not None  # the manager loads only with a connector
-        return self.connector.load(block_hash, *self.slot(block_id))

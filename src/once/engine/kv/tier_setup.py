@@ -1,4 +1,6 @@
-"""Build an engine's KV tiers from its config: the one place that knows every tier."""
+"""Build an engine's connector from its config: the one place that knows every tier and
+role (tiers: TieredConnector; a prefill or decode role: PrefillConnector or
+DecodeConnector, the tiers with a transfer store or its peers)."""
 
 from pathlib import Path
 
@@ -7,6 +9,7 @@ import torch
 from once.engine.config import EngineConfig
 from once.engine.kv.block_codec import layout_fingerprint
 from once.engine.kv.disagg.peers import PeerSet
+from once.engine.kv.disagg.role import DecodeConnector, PrefillConnector
 from once.engine.kv.disagg.transfer import TransferStore
 from once.engine.kv.disk_tier import DiskTier
 from once.engine.kv.host_tier import HostTier
@@ -24,14 +27,14 @@ def model_identity(model_path: Path) -> str:
     )
 
 
-def build_kv_tiers(
+def build_connector(
     config: EngineConfig,
     model_path: Path,
     block_shape: tuple[int, ...],
     dtype: torch.dtype,
     num_device_blocks: int,
 ) -> TieredConnector | None:
-    """The connector for `config`'s tiers, or None when it asks for none.
+    """The connector for `config`'s tiers and role, or None when it asks for none.
 
     `block_shape` is one block's K (or V) across layers: (layers, block size, KV heads,
     head dim), as the device cache's [:, block_id] gives it."""
@@ -61,13 +64,16 @@ def build_kv_tiers(
 
         shared = SharedTier(config.kv_shared_url, fingerprint, ttl_s=config.kv_shared_ttl_s)
     transfer: TransferStore | PeerSet | None = None
+    kind: type[TieredConnector] = TieredConnector
     if config.role == "prefill":
         transfer = TransferStore(config.kv_transfer_blocks or 2 * num_device_blocks)
         if config.kv_transfer == "tcp":
             transfer.serve_tcp(config.kv_transfer_host, config.kv_transfer_port)
+        kind = PrefillConnector
     elif config.role == "decode":
         transfer = PeerSet()  # filled from the requests' kv_transfer_params
-    return TieredConnector(
+        kind = DecodeConnector
+    return kind(
         host,
         fingerprint,
         disk=disk,

@@ -110,17 +110,6 @@ class TieredConnector(KVConnector):
             for tier in below:
                 self._write_below(tier, block_hash, k, v)
 
-    def save_to_transfer(self, block_hash: int, layers_k, layers_v) -> None:
-        """A prefill engine's prompt tail: for the decode side only, not a cache block."""
-        if isinstance(self.transfer, TransferStore):
-            self._write_below(self.transfer, block_hash, layers_k.clone(), layers_v.clone())
-
-    def release_transfer(self, address: str, remote_request_id: str) -> None:
-        """A decode engine is done with a prefill engine's blocks of a request: tell it, on
-        the loader thread (after the loads queued before, off the step loop)."""
-        if isinstance(self.transfer, PeerSet):
-            self._loader.submit(self.transfer.release, address, remote_request_id)
-
     def evicted(self, block_hash: int, layers_k, layers_v) -> None:
         # Write-back: a block leaves the device pool with its K/V still intact.
         self._put_host(block_hash, layers_k, layers_v)
