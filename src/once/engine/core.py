@@ -10,6 +10,7 @@ above it is asyncio; `AsyncEngine` (async_engine.py) runs this loop on a thread.
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +35,7 @@ from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
 from once.engine.runner import ModelRunner
 from once.engine.sampler import sample
-from once.engine.scheduler import Scheduler, StepUpdate
+from once.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from once.engine.speculative import SpecDecodeStats, make_drafter
 from once.engine.speculative.governor import DraftLengthGovernor
 from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
@@ -54,6 +55,16 @@ from once.protocol.errors import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Sampled:
+    """What a step's forward produced, for the update."""
+
+    requests: list[Request]  # the sampled requests, less any whose grammar failed
+    committed: list[list[int]]  # the ids each of them commits
+    logprobs: dict[str, list[TokenLogprob]]
+    any_failed: bool  # some grammar failed: those requests have last deltas pending
 
 
 class LLMEngine:
@@ -267,18 +278,40 @@ class LLMEngine:
     def step(self) -> list[TokenDelta]:
         deltas = self._take_pending()  # of requests aborted since the last step
         self.run_timers()
-        if self.drafter is not None:
-            self._propose_drafts()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
-            if self.scheduler.loading:
-                self.scheduler.wait_for_loads(0.01)  # only KV prefetches are in flight
+        out = self._schedule()
+        if out is None:
             return deltas
         # Read before the forward runs (it moves every request on); only the governor uses it.
         decode_only = self.governor is not None and all(
             s.request.is_decoding for s in out.scheduled
         )
         started = time.perf_counter()
+        sampled = self._run(out)
+        if sampled is None:  # the forward failed: so did its requests
+            return deltas + self._take_pending()
+        deltas += self._update(out, sampled)
+
+        elapsed = time.perf_counter() - started
+        self.step_time_s += elapsed
+        if decode_only and self.governor is not None:
+            self.governor.observe_step(out.num_batched_tokens, elapsed)
+        return deltas
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """Drafts for the decoding requests, then the step's work; None when there is
+        none (after a short wait when only KV prefetches are in flight)."""
+        if self.drafter is not None:
+            self._propose_drafts()
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            if self.scheduler.loading:
+                self.scheduler.wait_for_loads(0.01)  # only KV prefetches are in flight
+            return None
+        return out
+
+    def _run(self, out: SchedulerOutput) -> Sampled | None:
+        """The forward, the grammar masks and the tokens each sampled request commits;
+        None when the forward failed (its requests are finished with the error)."""
         masks = self.masks.start(out.scheduled)  # filled on a worker during the forward
         try:
             logits, sampled = self.runner.execute(out.scheduled)
@@ -288,7 +321,7 @@ class LLMEngine:
             error = OnceError(f"forward failed: {type(exc).__name__}: {exc}")
             for item in out.scheduled:
                 self._finish(item.request, FINISH_ERROR, error=error.to_dict())
-            return deltas + self._take_pending()
+            return None
         requests = [s.request for s in sampled]
         failed = [] if masks is None else masks.apply(logits, requests)
         committed = self._select_tokens(logits, requests)
@@ -297,17 +330,17 @@ class LLMEngine:
         logprobs = token_logprobs(logits, requests, committed)  # {} when no row asks
         if failed:
             requests, committed = self._fail_grammars(failed, requests, committed)
-        self.connector.after_forward(out.scheduled)  # save, hand off, release transfers
-        update = self.scheduler.update_from_output(out, requests, committed)
-        self._record(update)
-        deltas += self._deltas(update, logprobs)
-        if failed:
-            deltas += self._take_pending()  # the failed requests' last deltas
+        return Sampled(requests, committed, logprobs, bool(failed))
 
-        elapsed = time.perf_counter() - started
-        self.step_time_s += elapsed
-        if decode_only and self.governor is not None:
-            self.governor.observe_step(out.num_batched_tokens, elapsed)
+    def _update(self, out: SchedulerOutput, sampled: Sampled) -> list[TokenDelta]:
+        """The connector hears of the computed blocks, the scheduler moves the requests
+        on, and the update becomes deltas."""
+        self.connector.after_forward(out.scheduled)  # save, hand off, release transfers
+        update = self.scheduler.update_from_output(out, sampled.requests, sampled.committed)
+        self._record(update)
+        deltas = self._deltas(update, sampled.logprobs)
+        if sampled.any_failed:
+            deltas += self._take_pending()  # the failed requests' last deltas
         return deltas
 
     def _fail_grammars(self, failed, requests, committed):
