@@ -142,10 +142,11 @@ class LLMEngine:
         # The KV outside the device pool: tiers, a prefill or decode role, or nothing.
         self.connector: KVConnector = connector or NoOpConnector()
         self.kv = KVCacheManager(
-            self.pool, connector, self.connector.load_block, self.connector.load_tail
+            self.pool, self.connector, self.connector.load_block, self.connector.load_tail
         )
         self.blocks = BlockIO(self.kv_cache, self.pool, self.kv.block_ids)
         self.connector.register_kv_cache(self.blocks)
+        # Without a connector a long pause only demotes: nothing to offload to or prefetch.
         self.pauses = SessionPauses(
             self.pool, connector, self.blocks.read_block, config.kv_pause_keep_s
         )
