@@ -48,6 +48,10 @@ _FIGURES = ("hit_blocks", "loaded_bytes", "load_time_s", "saved_blocks", "corrup
 
 
 class TieredConnector(KVConnector):
+    # Whether a transfer store among the tiers is written as blocks fill: a prefill
+    # engine's own store is; a decode engine's peers are the prefill engines' (read only).
+    writes_transfer = True
+
     def __init__(
         self,
         host: HostTier,
@@ -66,11 +70,12 @@ class TieredConnector(KVConnector):
         self.shared = shared
         self.transfer = transfer
         # Below the host, beside disk: stores read on a miss, and those of them written as
-        # blocks fill (a decode engine's peers are the prefill engines' stores: read only).
-        # The transfer store first: for a decode engine it is the prefill engine's own copy,
-        # the direct path, where a shared store may hold the same blocks too.
+        # blocks fill. The transfer store first: for a decode engine it is the prefill
+        # engine's own copy, the direct path, where a shared store may hold the same blocks.
         self.remotes = [t for t in (transfer, shared) if t is not None]
-        self.written_remotes = [t for t in self.remotes if not isinstance(t, PeerSet)]
+        self.written_remotes = [
+            t for t in self.remotes if t is not transfer or self.writes_transfer
+        ]
         self.fingerprint = fingerprint
         self.write_mode = write_mode
         self.block_size = block_size

@@ -119,6 +119,7 @@ class DecodeConnector(TieredConnector):
 
     role = "decode"
     transfer: PeerSet
+    writes_transfer = False
 
     def on_arrival(self, request: GenerateRequest) -> GenerateRequest:
         params = request.kv_transfer_params
