@@ -41,11 +41,28 @@ def test_bad_pressure_flags_are_refused():
 
 
 def test_what_the_tiers_served_counts_as_cached_not_as_never_computed(pressure_report):
-    # A call's cached tokens are its last admission's hit (a preempted prefill reloads
-    # more from a tier than it first found): what it computed covers the rest.
+    # A call's cached tokens are what a hit brought that it never had (a preempted
+    # prefill that reloads its own earlier work from a tier gets no credit for it); what
+    # it computed covers the rest, and what it computed twice is counted as such.
     for rows in pressure_report["calls"][TIERS].values():
         for row in rows:
-            assert row["computed_tokens"] >= row["prompt_tokens"] - row["cached_tokens"]
+            assert row["computed_tokens"] - row["recomputed_tokens"] == (
+                row["prompt_tokens"] - row["cached_tokens"]
+            )
+            assert 0 <= row["tier_cached_tokens"] <= row["cached_tokens"]
+    assert pressure_report["ledger_invariants"]["holds"]
+    assert pressure_report["shared_ideal"]["holds"]
+
+
+def test_the_recompute_ratio_counts_every_cause_and_the_pool_is_named(pressure_report):
+    section = pressure_report["kv_pressure"]
+    for figures in section["variants"].values():
+        causes = figures["miss_causes"]
+        assert figures["recomputed_tokens"] >= figures["evicted_tokens"]
+        assert figures["preempted_tokens"] == causes.get("preempted", 0)
+        assert figures["unattributed_tokens"] == 0
+    assert section["recompute_ratio_tiers_vs_none"] is not None
+    assert section["kv_pool_tokens"] == 48 * 16 and section["context_cap"] == 768
 
 
 def test_the_hinted_variant_sends_a_hint_after_every_call_and_the_engine_keeps_blocks(

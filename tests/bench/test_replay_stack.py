@@ -98,6 +98,10 @@ async def test_ledger_reconciles_with_engine_and_gateway_counters(served):
     assert any(k.startswith("prefix_changed:") for k in report["total"]["once"]["miss_causes"])
     source = report["sources"]["hand"]
     assert source["computed_ratio"] <= 1.25 * source["ideal_ratio"]
+    # The shared-cache bound is below the per-session ideal, and no stack beats it.
+    assert report["shared_ideal"]["holds"]
+    assert source["shared_ideal_ratio"] <= source["ideal_ratio"]
+    assert report["weights"].startswith("random") and report["context_cap"] == MAX_LEN
     assert source["bytes_ratio"] < 1 and source["tokenized_ratio"] < 1
 
 

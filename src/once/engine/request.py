@@ -56,6 +56,10 @@ class Request:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
         self.prefix_hit_counted = False  # the first prefix match sets num_cached_tokens
+        # Prompt positions whose K/V this request has had (from the cache or computed) at
+        # any admission: past a preemption, what is below it and runs again is recomputed.
+        self.num_prompt_obtained = 0
+        self.num_tier_loaded_tokens = 0  # loaded by the connector for its next admission
         # Blocks of its prefix being brought up from a slower KV tier (at most once).
         self.kv_prefetch: Future | None = None
         self.kv_prefetch_started = 0.0

@@ -68,7 +68,7 @@ class StepUpdate:
 
     outputs: list[RequestUpdate] = field(default_factory=list)  # in the order they ran
     num_computed_prompt_tokens: int = 0
-    num_recomputed_tokens: int = 0  # output positions run again after a preemption
+    num_recomputed_tokens: int = 0  # prompt and output positions run again after preemption
     # Ids committed by each sampled request that was decoding (drafted or not).
     num_tokens_per_decode: list[int] = field(default_factory=list)
     verifications: list[tuple[int, int]] = field(default_factory=list)  # (drafts, accepted)
@@ -158,7 +158,9 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 break
             request = self.waiting[0]
+            external_before = self.kv.num_external_hit_tokens
             hit_blocks, num_hit_tokens = self.kv.match_prefix(request, budget)
+            request.num_tier_loaded_tokens += self.kv.num_external_hit_tokens - external_before
             if request.kv_prefetch is not None and not request.kv_prefetch_settled:
                 self.waiting.popleft()
                 self.loading.append(request)
@@ -169,18 +171,14 @@ class Scheduler:
             if request.kv_remote_tail and not request.output_token_ids and num_new > 1:
                 num_tail = self.kv.load_tail(request, num_hit_tokens)
                 num_hit_tokens, num_new = num_hit_tokens + num_tail, num_new - num_tail
+                request.num_tier_loaded_tokens += num_tail
             self.waiting.popleft()
             if not request.prefix_hit_counted:
-                # The first admission is the lookup that counts; a recompute after
-                # preemption is the engine's own doing, not a property of the prompt.
+                # The first admission is the lookup that counts for the hit rate; a
+                # recompute after preemption is the engine's own doing.
                 request.prefix_hit_counted = True
-                request.metrics.num_cached_tokens = num_hit_tokens
                 self.kv.record_lookup(request.num_prompt_tokens, num_hit_tokens)
-            elif not request.output_token_ids:
-                # Preempted before its first token: the prefill that produces it is this
-                # admission's, so its hit is the cache's share (with KV tiers it can be
-                # more than the first admission's); earlier work counts as recomputed.
-                request.metrics.num_cached_tokens = num_hit_tokens
+            self._count_hit(request, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
@@ -190,6 +188,25 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, self.max_num_batched_tokens - budget, preempted)
+
+    @staticmethod
+    def _count_hit(request: Request, num_hit_tokens: int) -> None:
+        # Cached are the prompt positions a hit brings that the request never had: after
+        # a preemption, a hit on its own earlier work is not a cache saving, and what it
+        # computes again below `num_prompt_obtained` is recomputed. So, once the prompt
+        # is in, prompt = cached + computed - recomputed, whatever the preemptions.
+        #
+        #   prompt    [..... hit h .....|.... computed ....]
+        #   obtained  [.... o ....]                           (earlier admissions)
+        #   cached        += max(0, h - o), of which the last loaded ones came from a tier
+        num_prompt_hit = min(num_hit_tokens, request.num_prompt_tokens)
+        num_loaded, request.num_tier_loaded_tokens = request.num_tier_loaded_tokens, 0
+        num_fresh = max(0, num_prompt_hit - request.num_prompt_obtained)
+        if num_fresh:
+            request.metrics.num_cached_tokens += num_fresh
+            tier_start = max(request.num_prompt_obtained, num_hit_tokens - num_loaded)
+            request.metrics.num_tier_cached_tokens += max(0, num_prompt_hit - tier_start)
+            request.num_prompt_obtained = num_prompt_hit
 
     @staticmethod
     def _num_running_tokens(request: Request, budget: int) -> int:
@@ -236,9 +253,14 @@ class Scheduler:
             request = item.request
             start = request.num_computed_tokens
             end = start + item.num_new_tokens
-            num_prompt_part = max(0, min(end, request.num_prompt_tokens) - start)
+            prompt_end = min(end, request.num_prompt_tokens)
+            num_prompt_part = max(0, prompt_end - start)
+            num_prompt_again = max(0, min(prompt_end, request.num_prompt_obtained) - start)
+            request.num_prompt_obtained = max(request.num_prompt_obtained, prompt_end)
             request.metrics.num_computed_tokens += num_prompt_part
+            request.metrics.num_recomputed_tokens += num_prompt_again
             update.num_computed_prompt_tokens += num_prompt_part
+            update.num_recomputed_tokens += num_prompt_again
             if start < request.num_tokens - 1 and end > request.num_prompt_tokens:
                 update.num_recomputed_tokens += end - max(start, request.num_prompt_tokens)
             request.num_computed_tokens = end

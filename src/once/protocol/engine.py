@@ -231,6 +231,10 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_computed_tokens: int = 0  # prompt tokens actually prefilled (incl. recompute)
+    # Of num_computed_tokens, prompt positions prefilled again after a preemption: always
+    # num_prompt_tokens = num_cached_tokens + num_computed_tokens - num_recomputed_tokens.
+    num_recomputed_tokens: int = 0
+    num_tier_cached_tokens: int = 0  # of num_cached_tokens, brought in by a KV connector
     num_output_tokens: int = 0
     num_preemptions: int = 0
     ttft_s: float = 0.0  # arrival -> first output token

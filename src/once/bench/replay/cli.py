@@ -4,8 +4,11 @@ Each session is planned once (rendered with the served model's tokenizer), then 
 through the `once` stack and through the `naive` stack, one call at a time as its agent
 ran. The output is the ledger per session, per source folder and in total, and the
 headline figures per source folder: `computed_ratio` (prompt tokens computed, once /
-naive) next to `ideal_ratio` (an unlimited per-session prefix cache), and the total of
-`unattributed_misses` (computed prompt tokens no cause explains).
+naive) next to `ideal_ratio` (an unlimited per-session prefix cache) and
+`shared_ideal_ratio` (an unlimited cache shared by all sessions: the bound no stack can
+beat), and the total of `unattributed_misses` (computed prompt tokens no cause explains).
+Every call of every stack is checked against the ledger's invariants and every stack
+against the shared bound (checks.py); a replay that breaks either exits 1.
 
 Routing (`--replicas N`, N > 1): the engine becomes a router over N `once engine`
 processes, the last `--slow-replicas K` of them throttled to 1/`--slowdown` speed, each
@@ -47,6 +50,7 @@ from once.bench.replay.baseline_session import (
     kv_cache_gib_for,
     resolve_session_mode,
 )
+from once.bench.replay.checks import ledger_invariants, run_description, shared_ideal
 from once.bench.replay.cpu import add_cpu_seconds, cpu_line
 from once.bench.replay.failures import (
     add_failures,
@@ -231,7 +235,26 @@ def main(argv: list[str] | None = None) -> int:
         if "pd" in report:
             print(format_pd_section(report["pd"]))
     print_failures(report, sys.stderr)
-    return 1 if report.get("failures") else 0
+    broken = print_broken_checks(report, sys.stderr)
+    return 1 if report.get("failures") or broken else 0
+
+
+def print_broken_checks(report: dict, out) -> bool:
+    """Say loudly where the ledger does not add up; True when it does not."""
+    invariants = report.get("ledger_invariants") or {"holds": True}
+    bound = report.get("shared_ideal") or {"holds": True}
+    if not invariants["holds"]:
+        print(
+            f"LEDGER INVARIANT BROKEN on {invariants['num_violations']} of "
+            f"{invariants['calls_checked']} calls:",
+            *invariants["violations"],
+            sep="\n  ",
+            file=out,
+        )
+    if not bound["holds"]:
+        print("SHARED-CACHE BOUND BEATEN (a count is wrong):", *bound["beaten"], sep="\n  ",
+              file=out)  # fmt: skip
+    return not invariants["holds"] or not bound["holds"]
 
 
 async def run_replay(sessions, args) -> dict:
@@ -304,6 +327,13 @@ async def run_replay(sessions, args) -> dict:
             return failed_report(args, list(counts), failures, counts, measured)
         plans = compared
     report = build_report(plans, records, counters, block_size, args)
+    specs = {run.spec.name: run.spec for run in runs}
+    report["ledger_invariants"] = ledger_invariants(
+        records,
+        {name: spec.prefix_caching for name, spec in specs.items()},
+        {run.spec.name: bool(run.options.get("kv_tiers")) for run in runs},
+        block_size,
+    )
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
@@ -311,7 +341,6 @@ async def run_replay(sessions, args) -> dict:
         report["vllm_live"] = True
     if getattr(args, "api", APIS[0]) != APIS[0]:
         report["api"] = args.api
-    specs = {run.spec.name: run.spec for run in runs}
     ablations = [name for name in ABLATIONS if name in specs]
     add_ablation_and_traffic(report, plans, records, traffic, specs, block_size, args, ablations)
     if getattr(args, "replicas", 1) > 1 or getattr(args, "engine", "once") == "vllm":
@@ -431,14 +460,22 @@ def build_report(plans: list[tuple[str, SessionPlan]], records, counters, block_
         for name in STACKS
         for ledger in ledgers[name].values()
     )
+    bound = shared_ideal(plans, records)
+    total_row = {**compare(total["once"], total["naive"]), **total}
+    for folder, row in [*sources.items(), ("total", total_row)]:
+        row["shared_ideal_tokens"] = bound["tokens"][folder]
+        prompt = row["naive"]["prompt_tokens"]
+        row["shared_ideal_ratio"] = round(bound["tokens"][folder] / prompt, 4) if prompt else None
     return {
-        "model": args.model,
+        **run_description(args, TINY),
         "tokenizer": TOKENIZER_MODEL,
         "max_model_len": args.max_model_len,
+        "calls_cut_by_context": sum(plan.num_cut_by_context for _, plan in plans),
         "block_size": block_size,
         "sessions": all_ids,
         "sources": sources,
-        "total": {**compare(total["once"], total["naive"]), **total},
+        "total": total_row,
+        "shared_ideal": bound,
         "unattributed_misses": unattributed,
         "per_session": ledgers,
         "counters": counters,
@@ -447,12 +484,22 @@ def build_report(plans: list[tuple[str, SessionPlan]], records, counters, block_
 
 
 def print_summary(report: dict, out=sys.stdout) -> None:
-    print(f"once replay: {len(report['sessions'])} sessions, model {report['model']}", file=out)
-    header = f"{'source folder':40} {'computed':>9} {'ideal':>7} {'bytes':>7} {'tokenized':>9}"
+    print(
+        f"once replay: {len(report['sessions'])} sessions, model {report['model']}, weights "
+        f"{report.get('weights')}; context cap {report['max_model_len']} tokens "
+        f"({report.get('calls_cut_by_context', 0)} recorded calls past it not replayed)",
+        file=out,
+    )
+    header = (
+        f"{'source folder':40} {'computed':>9} {'ideal':>7} {'shared':>7} {'bytes':>7} "
+        f"{'tokenized':>9}"
+    )
     print(header, file=out)
     for folder, row in {**report["sources"], "total": report["total"]}.items():
+        shared = row.get("shared_ideal_ratio")
         print(
             f"{folder:40} {row['computed_ratio']:>9.3f} {row['ideal_ratio']:>7.3f} "
+            f"{shared if shared is not None else float('nan'):>7.3f} "
             f"{row['bytes_ratio']:>7.3f} {row['tokenized_ratio']:>9.3f}",
             file=out,
         )

@@ -9,8 +9,12 @@ and with the KV tiers below it, in the same run.
 Eviction shows when sessions run side by side (--concurrency) or pause (--pacing
 recorded): with one session at a time the pool only has to hold that session. The
 section `kv_pressure` gives, per variant, the prompt tokens the ledger attributes to
-`evicted`, what was computed in all, TTFT percentiles and the engine's per-tier figures,
-and the bar's ratio: evicted tokens with tiers / without. Outputs are the recorded ones
+`evicted` (`tier_miss` with tiers), what was computed again for any cause (ledger.py's
+PAID_TWICE: eviction, tier miss, preemption, ...), what was computed in all, TTFT
+percentiles and the engine's per-tier figures, and the bar's ratio: tokens computed
+again with tiers / without (`recompute_ratio_tiers_vs_none`; `evicted_ratio_tiers_vs_none`
+counts eviction alone). The pool's size in tokens is set beside the context cap: a call
+longer than the pool (`calls_over_pool`) cannot keep its own prefix. Outputs are the recorded ones
 forced (forced.py), so "identical outputs" here means every call ran to its recorded
 output; that K/V loaded from a tier gives the logits of recomputing it is the engine's
 own test (tests/engine/test_kv_tiers.py).
@@ -22,7 +26,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from once.bench.replay.ledger import EVICTED, merge, session_ledger
+from once.bench.replay.ledger import (
+    EVICTED,
+    PREEMPTED,
+    TIER_MISS,
+    UNATTRIBUTED,
+    merge,
+    paid_twice,
+    session_ledger,
+)
 from once.bench.replay.pacing import RECORDED
 from once.bench.replay.routing import StackRun
 from once.bench.replay.stacks import ONCE
@@ -95,11 +107,16 @@ def variant_names(args) -> tuple[str, ...]:
     return (*VARIANTS, HINTS) if getattr(args, "kv_hints", False) else VARIANTS
 
 
-def stack_totals(name: str, plans, records, block_size: int, prefix_caching: bool) -> dict:
+def stack_totals(
+    name: str, plans, records, block_size: int, prefix_caching: bool, tiers: bool = False
+) -> dict:
     """One stack's ledger merged over every planned session."""
     ledgers = [
         session_ledger(
-            records[name][plan.session_id], block_size=block_size, prefix_caching=prefix_caching
+            records[name][plan.session_id],
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            tiers=tiers,
         )
         for _, plan in plans
     ]
@@ -108,15 +125,34 @@ def stack_totals(name: str, plans, records, block_size: int, prefix_caching: boo
 
 
 def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict:
-    section: dict = {"kv_blocks": args.kv_blocks, "variants": {}}
+    pool_tokens = args.kv_blocks * block_size
+    section: dict = {
+        "kv_blocks": args.kv_blocks,
+        "kv_pool_tokens": pool_tokens,
+        "context_cap": getattr(args, "max_model_len", None),
+        "calls_over_pool": sum(
+            1
+            for _, plan in plans
+            for call in plan.calls
+            if len(call.prompt_ids) + len(call.forced_ids) > pool_tokens
+        ),  # fmt: skip
+        "variants": {},
+    }
     for name in ("once", *variant_names(args)):
-        totals = stack_totals(name, plans, records, block_size, prefix_caching=True)
+        tiers = name in (TIERS, HINTS)
+        totals = stack_totals(name, plans, records, block_size, True, tiers=tiers)
         engine = counters[name]["engine"]
+        causes = totals["miss_causes"]
         section["variants"][name] = {
-            "evicted_tokens": totals["miss_causes"].get(EVICTED, 0),
+            "evicted_tokens": causes.get(EVICTED, 0) + causes.get(TIER_MISS, 0),
+            "preempted_tokens": causes.get(PREEMPTED, 0),
+            "unattributed_tokens": causes.get(UNATTRIBUTED, 0),
+            "recomputed_tokens": paid_twice(causes),
             "computed_tokens": totals["computed_tokens"],
             "cached_tokens": totals["cached_tokens"],
+            "tier_cached_tokens": totals["tier_cached_tokens"],
             "prompt_tokens": totals["prompt_tokens"],
+            "miss_causes": causes,
             "outputs_not_as_recorded": totals["outputs_not_as_recorded"],
             "ttft_p50_s": totals["ttft_p50_s"],
             "ttft_p95_s": totals["ttft_p95_s"],
@@ -130,8 +166,12 @@ def kv_pressure_section(plans, records, counters, block_size: int, args) -> dict
             "num_kv_keeps_broken": engine.get("num_kv_keeps_broken", 0),
             **{key: value for key, value in engine.items() if key.startswith(ENGINE_FIGURES)},
         }
-    without, with_tiers = (section["variants"][name]["evicted_tokens"] for name in VARIANTS)
-    section["evicted_ratio_tiers_vs_none"] = round(with_tiers / without, 4) if without else None
+    for figure, ratio in (
+        ("evicted_tokens", "evicted_ratio_tiers_vs_none"),
+        ("recomputed_tokens", "recompute_ratio_tiers_vs_none"),
+    ):
+        without, with_tiers = (section["variants"][name][figure] for name in VARIANTS)
+        section[ratio] = round(with_tiers / without, 4) if without else None
     if HINTS in section["variants"]:
         variants = section["variants"]
         for ratio, figure in (
@@ -153,17 +193,29 @@ def after_pause_ttft_p90(records_by_session: dict[str, list[dict]]) -> float | N
 
 
 def print_kv_pressure(section: dict, out) -> None:
-    print(f"\nKV pressure: device pool of {section['kv_blocks']} blocks", file=out)
-    print(f"{'stack':<18} {'evicted':>9} {'computed':>10} {'ttft p95':>9}", file=out)
+    print(
+        f"\nKV pressure: device pool of {section['kv_blocks']} blocks "
+        f"({section['kv_pool_tokens']} tokens; context cap {section['context_cap']}, "
+        f"{section['calls_over_pool']} calls longer than the pool)",
+        file=out,
+    )
+    print(
+        f"{'stack':<18} {'evicted':>9} {'preempted':>9} {'again':>9} {'computed':>10} "
+        f"{'ttft p95':>9}",
+        file=out,
+    )
     for name, figures in section["variants"].items():
         print(
-            f"{name:<18} {figures['evicted_tokens']:>9} {figures['computed_tokens']:>10} "
+            f"{name:<18} {figures['evicted_tokens']:>9} {figures['preempted_tokens']:>9} "
+            f"{figures['recomputed_tokens']:>9} {figures['computed_tokens']:>10} "
             f"{figures['ttft_p95_s'] or 0:>9.3f}",
             file=out,
         )
     print(
-        f"evicted tokens, tiers / none: {section['evicted_ratio_tiers_vs_none']} "
-        f"(bar <= 0.2); outputs identical: {section['outputs_identical']}",
+        f"tokens computed again (every cause), tiers / none: "
+        f"{section['recompute_ratio_tiers_vs_none']} (bar <= 0.2; eviction alone "
+        f"{section['evicted_ratio_tiers_vs_none']}); outputs identical: "
+        f"{section['outputs_identical']}",
         file=out,
     )
     ratio = section.get("after_pause_ttft_p90_ratio_hints_vs_none")

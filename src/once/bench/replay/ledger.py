@@ -12,15 +12,27 @@ add up to the engine's own `num_computed_prompt_tokens`:
                        computes the KV of an output's last token
     no_prefix_cache    ideal-cacheable tokens of a stack without prefix cache (naive)
     evicted            ideal-cacheable tokens missed after the engine evicted blocks
+    tier_miss          the same on a stack with KV tiers below the device: evicted from
+                       the device and not brought back by a tier (gone from every tier,
+                       or its load did not arrive in time)
     routed_elsewhere   ideal-cacheable tokens missed by a call on a replica that did not
                        serve all of the session's earlier calls: the prefix may live on
                        another replica (routed stacks only)
-    preempted          recomputed after a preemption
+    preempted          prompt positions prefilled again after a preemption (the engine's
+                       own count, `RequestMetrics.num_recomputed_tokens`)
     unattributed       ideal-cacheable tokens missed for no reason above: a bug to find
 
 "Ideal-cacheable" is the reference (`reference.py`): the longest common prefix with any
 earlier request or request+output of the session. A cache shared across sessions can
-serve more than that (the same system prompt); such tokens are simply not computed.
+serve more than that (the same system prompt); such tokens are simply not computed, and
+the bound no cache can beat is shared_ideal.py's.
+
+Every call is checked against the invariants below (`check_call`); a replay that breaks
+one reports it in `ledger_invariants` and exits 1:
+
+    prompt   = cached + computed - recomputed      every prompt position obtained once
+    cached  >= cached from a KV tier >= 0
+    computed = sum of the call's causes, each >= 0  nothing computed without a cause
 """
 
 from __future__ import annotations
@@ -37,9 +49,12 @@ PREFIX_CHANGED = "prefix_changed"
 BLOCK_BOUNDARY = "block_boundary"
 NO_PREFIX_CACHE = "no_prefix_cache"
 EVICTED = "evicted"
+TIER_MISS = "tier_miss"
 ROUTED_ELSEWHERE = "routed_elsewhere"
 PREEMPTED = "preempted"
 UNATTRIBUTED = "unattributed"
+# Causes of paying twice: tokens a cache held once, or could have, computed again.
+PAID_TWICE = (EVICTED, TIER_MISS, ROUTED_ELSEWHERE, PREEMPTED, UNATTRIBUTED)
 
 
 def attribute_call(
@@ -49,16 +64,19 @@ def attribute_call(
     prefix_caching: bool,
     session_evictions: int,
     routed_elsewhere: bool = False,
+    tiers: bool = False,
 ):
-    """Split one call's computed prompt tokens into causes (a Counter summing to them)."""
+    """Split one call's computed prompt tokens into causes (a Counter summing to them,
+    when the engine's counts keep the first invariant)."""
     causes: Counter[str] = Counter()
-    prompt, cached = record["prompt_tokens"], record["cached_tokens"]
-    computed_fresh = prompt - cached
-    recomputed = record["computed_tokens"] - computed_fresh
+    prompt = record["prompt_tokens"]
+    recomputed = record.get("recomputed_tokens", 0)
+    computed_fresh = record["computed_tokens"] - recomputed
     if recomputed > 0:
         causes[PREEMPTED] += recomputed
     if record["index"] == 0 and record["ideal_cached"] == 0:
-        causes[FIRST_CALL] += computed_fresh
+        if computed_fresh:
+            causes[FIRST_CALL] += computed_fresh
         return causes
     ideal_cached = min(record["ideal_cached"], prompt)
     ideal_new = prompt - ideal_cached
@@ -92,32 +110,80 @@ def attribute_call(
     if missed:
         if routed_elsewhere:  # first: evictions are counted over all replicas
             causes[ROUTED_ELSEWHERE] += missed
+        elif session_evictions > 0:
+            causes[TIER_MISS if tiers else EVICTED] += missed
         else:
-            causes[EVICTED if session_evictions > 0 else UNATTRIBUTED] += missed
+            causes[UNATTRIBUTED] += missed
     return causes
 
 
-def session_ledger(records: list[dict], *, block_size: int, prefix_caching: bool) -> dict:
+def check_call(record: dict, causes: Counter[str]) -> list[str]:
+    """The invariants one call breaks (empty: it keeps them all)."""
+    prompt, cached, computed = (
+        record["prompt_tokens"], record["cached_tokens"], record["computed_tokens"]
+    )  # fmt: skip
+    recomputed = record.get("recomputed_tokens", 0)
+    tier_cached = record.get("tier_cached_tokens", 0)
+    where = f"{record.get('stack', '?')}: {record.get('session_id', '?')} call {record['index']}"
+    broken = []
+    if prompt != cached + computed - recomputed:
+        broken.append(
+            f"{where}: prompt {prompt} != cached {cached} + computed {computed} "
+            f"- recomputed {recomputed}"
+        )
+    if not 0 <= tier_cached <= cached or not 0 <= recomputed <= computed:
+        broken.append(
+            f"{where}: cached {cached} from a tier {tier_cached}, computed {computed} "
+            f"recomputed {recomputed}: a part exceeds its whole"
+        )
+    if sum(causes.values()) != computed or any(n < 0 for n in causes.values()):
+        broken.append(f"{where}: computed {computed} but its causes are {dict(causes)}")
+    return broken
+
+
+def session_ledger(
+    records: list[dict], *, block_size: int, prefix_caching: bool, tiers: bool = False
+) -> dict:
     """One stack's ledger for one session (records in call order)."""
+    causes, broken = session_causes(
+        records, block_size=block_size, prefix_caching=prefix_caching, tiers=tiers
+    )
+    totals = _sum(records)
+    totals["miss_causes"] = dict(sorted(causes.items()))
+    totals["invariant_violations"] = broken
+    return totals
+
+
+def session_causes(
+    records: list[dict], *, block_size: int, prefix_caching: bool, tiers: bool = False
+) -> tuple[Counter[str], list[str]]:
+    """(the session's computed tokens by cause, the invariants its calls break)."""
     causes: Counter[str] = Counter()
+    broken: list[str] = []
     first_evictions = records[0]["evictions_before"] if records else 0
     earlier_replicas: set[str] = set()
     for record in records:
         replica = record.get("replica")  # set on routed stacks only
-        causes.update(
-            attribute_call(
-                record,
-                block_size=block_size,
-                prefix_caching=prefix_caching,
-                session_evictions=record["evictions_before"] - first_evictions,
-                routed_elsewhere=bool(earlier_replicas - {replica}),
-            )
+        call_causes = attribute_call(
+            record,
+            block_size=block_size,
+            prefix_caching=prefix_caching,
+            # Up to the call's end: a session beside it may evict while it waits.
+            session_evictions=record.get("evictions_after", record["evictions_before"])
+            - first_evictions,
+            routed_elsewhere=bool(earlier_replicas - {replica}),
+            tiers=tiers,
         )
+        broken += check_call(record, call_causes)
+        causes.update(call_causes)
         if replica is not None:
             earlier_replicas.add(replica)
-    totals = _sum(records)
-    totals["miss_causes"] = dict(sorted(causes.items()))
-    return totals
+    return causes, broken
+
+
+def paid_twice(causes: dict[str, int]) -> int:
+    """Prompt tokens computed again: every cause of paying twice, summed."""
+    return sum(causes.get(cause, 0) for cause in PAID_TWICE)
 
 
 SPEC_KEYS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -137,6 +203,8 @@ def _sum(records: Iterable[dict]) -> dict:
         "ideal_cached",
     )
     counts = {key: int(sum(r[key] for r in records)) for key in keys}
+    for key in ("recomputed_tokens", "tier_cached_tokens"):  # older records lack them
+        counts[key] = int(sum(r.get(key, 0) for r in records))
     totals: dict[str, int | float | None] = dict(counts)
     totals["tokens_new"] = counts["prompt_tokens"] - counts["ideal_cached"]
     totals["calls"] = len(records)
@@ -166,6 +234,7 @@ def merge(ledgers: Iterable[dict], records: Iterable[dict]) -> dict:
     for ledger in ledgers:
         causes.update(ledger["miss_causes"])
     merged["miss_causes"] = dict(sorted(causes.items()))
+    merged["invariant_violations"] = [v for x in ledgers for v in x["invariant_violations"]]
     merged["sessions"] = len(ledgers)
     return merged
 

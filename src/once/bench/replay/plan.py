@@ -33,6 +33,7 @@ class SessionPlan:
     session: Session
     calls: list[PlannedCall]
     reference: list[ReferenceCall]
+    num_cut_by_context: int = 0  # recorded calls dropped: the first did not fit the context
 
     @property
     def session_id(self) -> str:
@@ -54,8 +55,9 @@ def plan_session(
         for earlier, later in zip(positions, positions[1:], strict=False):
             previous_in_chain[later] = earlier
     calls: list[PlannedCall] = []
-    requests = session_requests(session, model=runtime.name)
-    for index, (request, output_items) in enumerate(requests[:max_calls]):
+    requests = session_requests(session, model=runtime.name)[:max_calls]
+    num_cut = 0
+    for index, (request, output_items) in enumerate(requests):
         instructions, tools = request.get("instructions"), request.get("tools") or []
         prompt = builder.full("", instructions, tools, request["input"]).prompt_ids
         with_output = builder.full(
@@ -75,6 +77,7 @@ def plan_session(
         if not forced:
             raise ValueError(f"{session.session_id} call {index}: empty output")
         if max_model_len is not None and len(prompt) + len(forced) >= max_model_len:
+            num_cut = len(requests) - index
             break
         calls.append(
             PlannedCall(
@@ -92,7 +95,7 @@ def plan_session(
         [c.forced_ids for c in calls],
         [c.previous_in_chain for c in calls],
     )
-    return SessionPlan(session, calls, reference)
+    return SessionPlan(session, calls, reference, num_cut)
 
 
 def _output_after_prompt(runtime, request, output_items, session, index) -> list[int]:

@@ -72,6 +72,8 @@ class CallRecord:
     prompt_tokens: int  # engine: prompt it received
     cached_tokens: int  # engine: served from its prefix cache
     computed_tokens: int  # engine: prefilled (with recompute after preemption)
+    recomputed_tokens: int  # engine: of computed, prefilled again after a preemption
+    tier_cached_tokens: int  # engine: of cached, brought in from a KV tier (or a peer)
     output_tokens: int
     prompt_matches_plan: bool  # the engine got the canonical (full render) prompt ids
     output_matches_recording: bool  # the server's output items say what was recorded
@@ -79,6 +81,8 @@ class CallRecord:
     previous_shared: int
     previous_length: int
     evictions_before: int  # engine evictions counted before this call
+    # ... and after it: sessions side by side evict while the call waits for its turn.
+    evictions_after: int
     ttft_s: float  # client: send -> first output event
     engine_ttft_s: float
     wall_s: float
@@ -160,6 +164,7 @@ async def replay_session(
                 message = f"{what} failed: {type(e).__name__}: {e}"
                 raise ReplayCallError(message, records, call.index) from e
             wall_s = time.perf_counter() - started
+            evictions_after = (await stack.engine_stats())["num_kv_evictions"]
             output = response.get("output") or []
             doctor.record_output(output)
             sent[position], returned[position] = request, output
@@ -192,6 +197,8 @@ async def replay_session(
                     prompt_tokens=len(engine.prompt_ids),
                     cached_tokens=engine_metrics.num_cached_tokens,
                     computed_tokens=engine_metrics.num_computed_tokens,
+                    recomputed_tokens=engine_metrics.num_recomputed_tokens,
+                    tier_cached_tokens=engine_metrics.num_tier_cached_tokens,
                     output_tokens=engine_metrics.num_output_tokens,
                     prompt_matches_plan=list(engine.prompt_ids) == call.prompt_ids,
                     output_matches_recording=matches[position],
@@ -199,6 +206,7 @@ async def replay_session(
                     previous_shared=reference.num_previous_shared,
                     previous_length=reference.previous_length,
                     evictions_before=evictions_before,
+                    evictions_after=evictions_after,
                     ttft_s=first_event[0] if first_event else wall_s,
                     engine_ttft_s=engine_metrics.ttft_s,
                     wall_s=wall_s,

@@ -51,25 +51,29 @@ def markdown(report: dict) -> str:
         "# once replay",
         "",
         f"{len(report['sessions'])} sessions; model `{report['model']}` (tokenizer "
-        f"`{report['tokenizer']}`), max model length {report['max_model_len']}, "
-        f"KV block {report['block_size']} tokens.",
+        f"`{report['tokenizer']}`), weights: {report.get('weights', 'n/a')}; context cap "
+        f"{report['max_model_len']} tokens ({report.get('calls_cut_by_context', 0)} recorded "
+        f"calls past it not replayed), KV block {report['block_size']} tokens.",
         "",
         "## Prompt tokens computed, once / naive, per source folder",
         "",
         f"Bar: `computed_ratio` <= {BAR_FACTOR} x `ideal_ratio` (an unlimited per-session "
-        "prefix cache).",
+        "prefix cache). `shared_ideal_ratio` is an unlimited cache shared by all sessions: "
+        "no stack can compute less (checked).",
         "",
-        "| source folder | sessions | computed_ratio | ideal_ratio | bar | bytes_ratio "
-        "| tokenized_ratio | wall_ratio |",
-        "|---|---|---|---|---|---|---|---|",
+        "| source folder | sessions | computed_ratio | ideal_ratio | shared_ideal_ratio | bar "
+        "| bytes_ratio | tokenized_ratio | wall_ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for folder, row in {**report["sources"], "total": report["total"]}.items():
         lines.append(
             f"| {folder} | {row['once']['sessions']} | {_fmt(row['computed_ratio'])} "
-            f"| {_fmt(row['ideal_ratio'])} | {_verdict(row)} | {_fmt(row['bytes_ratio'])} "
+            f"| {_fmt(row['ideal_ratio'])} | {_fmt(row.get('shared_ideal_ratio'))} "
+            f"| {_verdict(row)} | {_fmt(row['bytes_ratio'])} "
             f"| {_fmt(row['tokenized_ratio'])} | {_fmt(row['wall_ratio'])} |"
         )
     lines += ["", f"Unattributed misses: **{report['unattributed_misses']}** tokens.", ""]
+    lines += _checks_section(report)
     lines += _ledger_section(report)
     if report.get("prefill_ratio") is not None:
         lines += _prefill_section(report)
@@ -81,6 +85,24 @@ def markdown(report: dict) -> str:
     lines += ["## Plots", ""]
     lines += [f"![{name.removesuffix('.png')}]({name})" for name in PLOTS]
     return "\n".join(lines) + "\n"
+
+
+def _checks_section(report: dict) -> list[str]:
+    invariants, bound = report.get("ledger_invariants"), report.get("shared_ideal")
+    lines = []
+    if invariants:
+        verdict = "hold" if invariants["holds"] else "**BROKEN**"
+        lines.append(
+            f"Ledger invariants (prompt = cached + computed - recomputed; computed = its "
+            f"causes) {verdict} on {invariants['calls_checked']} calls"
+            + ("." if invariants["holds"] else ":")
+        )
+        lines += [f"- {violation}" for violation in invariants["violations"]]
+    if bound:
+        verdict = "holds" if bound["holds"] else "**BEATEN** (a count is wrong)"
+        lines.append(f"Shared-cache bound on every stack and source: {verdict}.")
+        lines += [f"- {line}" for line in bound["beaten"]]
+    return [*lines, ""] if lines else []
 
 
 def _ledger_section(report: dict) -> list[str]:
