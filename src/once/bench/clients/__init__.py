@@ -1,35 +1,49 @@
 """`once bench clients`: every real client against the real gateway, one tool round trip
-each (registry.py), and a `clients` report keyed by client name with `clients_failed`."""
+each (registry.py), and a `clients` report keyed by client name with `clients_failed`;
+`--real-codex` adds Codex CLI on SmolLM2 beside busy processes (codex_real.py), and
+`--real-codex-only` runs that stage alone."""
 
 import argparse
 import asyncio
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_clients.json"
+DEFAULT_REAL_CODEX_OUT = _REPO_ROOT / "results" / "codex_real_busy.json"
 
 
 async def run_clients(
-    names: list[str], structured: bool, tool_search: bool = True, real_codex: bool = False
+    names: list[str],
+    structured: bool,
+    tool_search: bool = True,
+    real_codex: bool = False,
+    busy: int = 1,
+    codex_modes: tuple[str, ...] = ("http", "websocket"),
+    served_model: str | None = None,
+    max_output_tokens: int | None = None,
 ) -> dict:
-    from once.bench.clients.registry import CASES_BY_NAME, run_case
     from once.gateway.testing import load_runtime
 
-    runtime = load_runtime()
-    clients = {}
-    for name in names:
-        print(f"{name} ...", file=sys.stderr, flush=True)
-        clients[name] = (await run_case(CASES_BY_NAME[name], runtime)).to_dict()
-    failed = sorted(name for name, result in clients.items() if not result["ok"])
-    report = {"clients": clients, "clients_failed": len(failed), "failed": failed}
+    report: dict = {}
+    runtime = load_runtime() if names or tool_search else None  # the stages in this process
+    if names and runtime is not None:
+        from once.bench.clients.registry import CASES_BY_NAME, run_case
+
+        clients = {}
+        for name in names:
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            clients[name] = (await run_case(CASES_BY_NAME[name], runtime)).to_dict()
+        failed = sorted(name for name, result in clients.items() if not result["ok"])
+        report.update({"clients": clients, "clients_failed": len(failed), "failed": failed})
     if structured:
         from once.bench.clients import structured as structured_outputs
 
         print("structured outputs on SmolLM2 ...", file=sys.stderr, flush=True)
         report.update(await structured_outputs.run())
-    if tool_search:
+    if tool_search and runtime is not None:
         from once.bench.clients import api_tool_search
 
         print("server-side tool search on LiveMCPBench ...", file=sys.stderr, flush=True)
@@ -37,8 +51,12 @@ async def run_clients(
     if real_codex:
         from once.bench.clients import codex_real
 
-        print("codex exec on SmolLM2 (sampled, ~5-10 min) ...", file=sys.stderr, flush=True)
-        report.update(await codex_real.run(runtime))
+        served = codex_real.Served()
+        if served_model:
+            served = replace(served, model=served_model)
+        if max_output_tokens is not None:
+            served = replace(served, max_output_tokens=max_output_tokens)
+        report.update(await codex_real.run(busy, codex_modes, served))
     return report
 
 
@@ -54,33 +72,64 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-tool-search", action="store_true", help="skip the API's tool search on LiveMCPBench"
     )
-    parser.add_argument(
-        "--real-codex", action="store_true", help="also a whole `codex exec` on SmolLM2, sampled"
+    real = parser.add_argument_group("Codex on SmolLM2 beside busy processes (issue 31)")
+    real.add_argument(
+        "--real-codex",
+        action="store_true",
+        help="also a whole `codex exec` on SmolLM2 per transport, against `once serve`",
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    real.add_argument(
+        "--real-codex-only", action="store_true", help="only that stage (--out: " +
+        f"{DEFAULT_REAL_CODEX_OUT.relative_to(_REPO_ROOT)})",
+    )  # fmt: skip
+    real.add_argument(
+        "--busy", type=int, default=1, help="CPU-bound processes beside each run (default 1)"
+    )
+    real.add_argument(
+        "--codex-modes", nargs="+", choices=["http", "websocket"], default=["http", "websocket"]
+    )
+    real.add_argument(
+        "--served-model", default=None, help="the model `once serve` loads (default: SmolLM2-135M)"
+    )
+    real.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="the server's budget for replies that set none (Codex sets none): default 256",
+    )
+    parser.add_argument("--out", type=Path, default=None, help=f"default: {DEFAULT_OUT}")
     args = parser.parse_args(argv)
-    names = args.clients or list(CASES_BY_NAME)
+    if args.busy < 0:
+        parser.error("--busy must be >= 0")
+    only_codex = args.real_codex_only
+    names = [] if only_codex else args.clients or list(CASES_BY_NAME)
     report = asyncio.run(
         run_clients(
             names,
-            structured=not args.no_structured,
-            tool_search=not args.no_tool_search,
-            real_codex=args.real_codex,
+            structured=not (only_codex or args.no_structured),
+            tool_search=not (only_codex or args.no_tool_search),
+            real_codex=args.real_codex or only_codex,
+            busy=args.busy,
+            codex_modes=tuple(args.codex_modes),
+            served_model=args.served_model,
+            max_output_tokens=args.max_output_tokens,
         )
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    out = args.out or (DEFAULT_REAL_CODEX_OUT if only_codex else DEFAULT_OUT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        for name, result in report["clients"].items():
+        for name, result in report.get("clients", {}).items():
             flags = " ".join(
                 f"{key}={'yes' if result[key] else 'no'}"
                 for key in ("connected", "streamed", "tool_round_trip", "finished")
             )
             verdict = "ok" if result["ok"] else f"FAILED: {result['first_error']}"
             print(f"{name:22} {flags} errors={result['gateway_errors']} {verdict}")
-        print(f"clients_failed: {report['clients_failed']}")
+        if "clients_failed" in report:
+            print(f"clients_failed: {report['clients_failed']}")
         if "structured_valid_fraction" in report:
             print(
                 f"structured outputs on SmolLM2: {report['structured_json_valid']}/"
@@ -96,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"(held-out {report['api_tool_search_recall_at_5_heldout']}); the harness's "
                 f"ranker {report['harness_tool_search_recall_at_5']}"
             )
-        if "codex_exec_real_model" in report:
-            real = report["codex_exec_real_model"]
-            print(
-                f"codex exec on SmolLM2: ok={report['codex_exec_real_model_ok']} "
-                f"exit={real['returncode']} responses={real['responses_by_outcome']} "
-                f"first error: {real['first_error']}"
-            )
-    return 0 if not report["clients_failed"] else 1
+        if "codex_real_model" in report:
+            from once.bench.clients.codex_real import render_mode
+
+            busy = report["codex_real_model_busy"]
+            for mode, result in report["codex_real_model"].items():
+                print(f"codex exec, {busy} busy, {render_mode(mode, result)}")
+            print(f"codex_real_model_ok: {report['codex_real_model_ok']}")
+    failed = report.get("clients_failed", 0) or not report.get("codex_real_model_ok", True)
+    return 1 if failed else 0
