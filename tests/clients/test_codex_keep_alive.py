@@ -12,9 +12,9 @@ import pytest
 
 from once.bench.clients.node_clients import run_codex
 from once.bench.clients.scripted import MAX_MODEL_LEN
-from once.engine.scripted import ScriptedEngine
 from once.gateway.config import GatewayConfig
 from once.gateway.testing import serve_gateway
+from once.protocol.scripted_engine import ScriptedEngine
 
 pytestmark = pytest.mark.clients
 

@@ -197,7 +197,8 @@ async def test_logprobs_come_from_the_engine_token_by_token(runtime):
     assert engine.requests[0].sampling.logprobs == 2 and engine.requests[1].sampling.logprobs == 0
     content = completion.choices[0].logprobs.content
     ids = runtime.builder.encode(text)
-    # The scripted engine's logprobs: 0.0 for its own id, -i for id + i (engine/scripted.py).
+    # The scripted engine's logprobs (protocol/scripted_engine.py): 0.0 for its own id, -i
+    # for id + i.
     decode = runtime.tokenizer.backend_tokenizer.decode
     assert [entry.token for entry in content][: len(ids)] == [decode([i]) for i in ids]
     assert all(entry.logprob == 0.0 and len(entry.top_logprobs) == 2 for entry in content)

@@ -115,7 +115,7 @@ async def test_a_divergence_drops_the_states_it_left(runtime):
     text_ids = runtime.builder.encode("Hello there")
     odd = [t for t in runtime.builder.encode("Hel")] + runtime.builder.encode("lo there")
     assert odd != text_ids
-    from once.engine.scripted import ScriptedEngine
+    from once.protocol.scripted_engine import ScriptedEngine
 
     engine = ScriptedEngine(
         [odd + [eos], runtime.builder.encode("Ok.") + [eos]] * 2, eos_token_id=eos

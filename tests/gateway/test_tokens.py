@@ -27,7 +27,6 @@ from once.bench.traces import (
     default_traces_dir,
     load_session,
 )
-from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.pipeline import ResponsePipeline
@@ -37,6 +36,7 @@ from once.gateway.prompt.tokens import FULL, INCREMENTAL, ConversationState
 from once.gateway.state.conversation import ConnectionCache
 from once.gateway.testing import prepare_request, response_events
 from once.protocol.errors import PreviousResponseNotFoundError
+from once.protocol.scripted_engine import ScriptedEngine
 from tests.gateway.conftest import MODEL, scripted_texts, serve_gateway
 
 KEY = "test"

@@ -5,14 +5,14 @@ exponentially weighted mean (ALPHA: recent runs count most, since a task's later
 resemble each other more than its first), and `*` is the same over every tool, for a
 tool not seen yet; a text action (a reply the harness runs as a command) counts as the
 tool `(reply)`. The table goes on each request as `metadata.once_tool_pause_s`
-(gateway/pause_hints.py): once's engine keeps or offloads the session's KV for the pause
+(protocol/pause_hints.py): once's engine keeps or offloads the session's KV for the pause
 that follows; other servers store the metadata and ignore it.
 """
 
 import json
 from collections import OrderedDict
 
-from once.gateway.pause_hints import ANY_TOOL, METADATA_KEY, TEXT_REPLY
+from once.protocol.pause_hints import ANY_TOOL, METADATA_KEY, TEXT_REPLY
 
 ALPHA = 0.3
 MAX_VALUE_CHARS = 512  # OpenAI's bound on a metadata value

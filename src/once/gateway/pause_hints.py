@@ -1,14 +1,7 @@
 """Tool pause hints: the harness says how long its tools take, the engine keeps KV for it.
 
-The extension field is one key of the request's `metadata`, which every Responses server
-stores and otherwise ignores (OpenAI's too: values are strings of up to 512 characters):
-
-    "metadata": {"once_tool_pause_s": "{\"bash\": 3.5, \"edit\": 0.2, \"*\": 2.0}"}
-
-a JSON object from tool name to the seconds the harness expects that tool to run (its own
-running estimate), with `*` for a tool not in the table and `(reply)` for a response that
-calls no tool (a text-action harness such as mini-swe-agent runs the command written in
-the reply; a function-calling harness leaves it out). When a response completes, the gateway
+The wire format (a JSON table of tool -> seconds in the request's `metadata`) is
+protocol/pause_hints.py's, shared with the harness. When a response completes, the gateway
 takes the longest estimate among the tools it called (a harness runs them one after the
 other or side by side; the longest is what a side-by-side run waits for and a lower bound
 of a sequential one), and sends `pause_session(prompt_cache_key, seconds)` to the engine
@@ -24,12 +17,10 @@ from typing import Any
 
 from once.protocol.engine import is_seconds
 from once.protocol.errors import InvalidRequestError
+from once.protocol.pause_hints import ANY_TOOL, METADATA_KEY, TEXT_REPLY
 
 logger = logging.getLogger(__name__)
 
-METADATA_KEY = "once_tool_pause_s"
-ANY_TOOL = "*"
-TEXT_REPLY = "(reply)"
 # Call items and the name their harness knows the tool by.
 _NAMED_CALLS = ("function_call", "custom_tool_call")
 _TYPED_CALLS = ("shell_call", "local_shell_call", "apply_patch_call")

@@ -14,13 +14,14 @@ import contextlib
 import functools
 import itertools
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import replace
 
 import uvicorn
 
-from once.engine.scripted import ScriptedEngine
 from once.gateway.apis.responses.http import responses_encoder
 from once.gateway.app import build_gateway_app, create_gateway
 from once.gateway.config import GatewayConfig
@@ -31,16 +32,20 @@ from once.gateway.model import ModelRuntime
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.gateway.state.conversation import ConnectionCache
-from once.model_files import DEFAULT_MODEL
+from once.model_files import DEFAULT_MODEL, find_model_folder, locate_model
 from once.protocol.responses import parse_request
+from once.protocol.scripted_engine import ScriptedEngine
 
 START_TIMEOUT_S = 60  # a busy machine starts a server slowly; a healthy one in ~0.1 s
 
 
 def load_runtime(model: str = DEFAULT_MODEL) -> ModelRuntime:
-    from once.engine.loader import resolve_model_path
-
-    return ModelRuntime.load(model, resolve_model_path(model), max_model_len=8192)
+    if not locate_model(model).converted:
+        # Converting a GGUF needs the engine (torch): `once model path` does it in its own
+        # process, so the gateway's helpers never import once.engine.
+        command = [sys.executable, "-m", "once.cli", "model", "path", model]
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return ModelRuntime.load(model, find_model_folder(model), max_model_len=8192)
 
 
 def scripted_texts(runtime: ModelRuntime, texts, **kwargs) -> ScriptedEngine:

@@ -20,7 +20,7 @@ FIELDS_CHANGED = "fields_changed"  # model, instructions, tools, ... differ
 HISTORY_EDITED = "history_edited"  # an item of the previous input was changed or dropped
 OUTPUT_NOT_KEPT = "output_not_kept"  # the previous output is not appended verbatim
 # Sent with every call, incremental or not, and free to change between calls: they do not
-# enter the prompt (metadata carries the harness's tool pause hints, gateway/pause_hints.py).
+# enter the prompt (metadata carries the harness's tool pause hints, protocol/pause_hints.py).
 PER_CALL_FIELDS = ("metadata",)
 
 

@@ -16,12 +16,12 @@ import time
 from once.bench.payloads import session_requests
 from once.bench.traces import MINI_SWE_AGENT, load_sessions
 from once.engine.embedding import SentenceEmbedder, limit_this_thread_to_one_core
-from once.engine.scripted import ScriptedEngine
 from once.gateway.app import create_gateway
 from once.gateway.config import GatewayConfig
 from once.gateway.safety.checker import build_safety_checker, time_standalone
 from once.gateway.testing import prepare_request, response_events
 from once.protocol.responses import message_text
+from once.protocol.scripted_engine import ScriptedEngine
 
 
 def sample_requests(num: int) -> list[dict]:

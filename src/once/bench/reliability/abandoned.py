@@ -6,8 +6,8 @@ and streamed, and the Responses API over WebSocket. The gateway must abort the e
 request; `abandoned_tokens_after_1s` counts the output tokens the engine produced more
 than 1 s after the client left (bar: 0), summed over every case.
 
-The engine is the scripted one (engine/scripted.py) at `TOKEN_RATE` tokens/s per request,
-wrapped so that the time of every token it hands out is kept; the gateway is the real one,
+The engine is the scripted one (protocol/scripted_engine.py) at `TOKEN_RATE` tokens/s per
+request, wrapped so that the time of every token it hands out is kept; the gateway is the real one,
 in this process, on a loopback port. The client leaves once `LEAVE_AFTER_TOKENS` tokens
 are out (the engine is decoding, not queued), by dropping its connection. Each case waits
 for the engine's own end of the request (to `END_DEADLINE_S`), so a request left running
@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator
 import httpx
 import websockets
 
-from once.engine.scripted import ScriptedEngine
 from once.gateway.config import GatewayConfig
 from once.gateway.testing import DEFAULT_MODEL, load_runtime, serve_gateway
 from once.protocol.engine import GenerateRequest, TokenDelta
+from once.protocol.scripted_engine import ScriptedEngine
 
 TOKEN_RATE = 20.0  # tokens/s: about the real 360M model's decode rate on this CPU
 NUM_SCRIPT_TOKENS = 2000  # 100 s at TOKEN_RATE: far past every wait here

@@ -33,10 +33,10 @@ from once.bench.reliability.fault_kit import (
     stream_response,
     user,
 )
-from once.engine.scripted import ScriptedEngine
 from once.gateway.apis.responses.events import STORE_ERROR_FIELD
 from once.gateway.config import GatewayConfig
 from once.gateway.testing import DEFAULT_MODEL, serve_gateway
+from once.protocol.scripted_engine import ScriptedEngine
 
 API_KEY = "sk-faults"
 REQUEST_TIMEOUT_S = 30.0  # hang guard of every request

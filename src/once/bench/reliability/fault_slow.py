@@ -33,9 +33,9 @@ from once.bench.reliability.fault_kit import (
     output_text,
     stream_response,
 )
-from once.engine.scripted import ScriptedEngine
 from once.gateway.config import GatewayConfig
 from once.gateway.testing import DEFAULT_MODEL, serve_gateway
+from once.protocol.scripted_engine import ScriptedEngine
 
 SEND_TIMEOUT_S = 0.5
 BODY_TIMEOUT_S = 1.0

@@ -30,10 +30,10 @@ from once.bench.reliability.fault_kit import (
     stream_response,
     user,
 )
-from once.engine.scripted import ScriptedEngine
 from once.gateway.apis.responses.events import STORE_ERROR_FIELD
 from once.gateway.config import GatewayConfig
 from once.gateway.testing import DEFAULT_MODEL, serve_gateway
+from once.protocol.scripted_engine import ScriptedEngine
 
 STORE_MAX_BYTES = 96 * 1024  # a few dozen responses of the size sent here
 MAX_REQUESTS = 60  # the file is full well before this

@@ -19,8 +19,8 @@ import uvicorn
 
 from once.bench.gateway_bench.scripted_server import MODEL, output_ids
 from once.engine.loader import resolve_model_path
-from once.engine.scripted import ScriptedEngine
 from once.heap import freeze_startup_heap, keep_freed_memory
+from once.protocol.scripted_engine import ScriptedEngine
 
 # The engine's prefix cache: enough blocks for every session of a load run to hit its
 # prefix, bounded so the engine's memory is flat once it is full.
