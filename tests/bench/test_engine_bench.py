@@ -107,3 +107,24 @@ def test_a_context_longer_than_the_model_fails_before_measuring(tiny_model, tmp_
     assert main([*argv, "--kv-cache-gib", "0.01"]) == 2
     assert "positions" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_prefill_attention_only_writes_both_ratios_and_bars(tiny_model, tmp_path, monkeypatch):
+    from once.bench.engine_bench import prefill_attention
+
+    # Shorter contexts and fewer rounds than the real run: the plumbing, not the speed.
+    monkeypatch.setattr(prefill_attention, "CONTEXTS", {"2k": 40, "8k": 100})
+    monkeypatch.setattr(prefill_attention, "REPEATS", 3)
+    out = tmp_path / "prefill.json"
+    argv = ["--model", str(tiny_model), "--prefill-attention-only", "--threads", "1"]
+    assert main([*argv, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    measured = results["once"]["prefill_attention"]
+    assert measured["threads"] == 1 and measured["repeats"] == 3
+    for label in ("2k", "8k"):
+        assert results[f"prefill_vs_sdpa_{label}"] == measured[f"prefill_vs_sdpa_{label}"] > 0
+        low, high = measured[f"prefill_vs_sdpa_{label}_range"]
+        assert low <= measured[f"prefill_vs_sdpa_{label}"] <= high
+        for way in ("once", "sdpa", "masked"):
+            assert measured[f"prefill_attention_tok_s_{label}_{way}"] > 0
+    assert set(results["bars"]) == {"prefill_vs_sdpa_2k", "prefill_vs_sdpa_8k"}

@@ -1,7 +1,8 @@
 """The C prefill attention kernel against SDPA, over scattered paged blocks.
 
 A chunk after a prefix reads the prefix in place through its block table; the torch path
-gathers it and runs SDPA with a bottom-right causal mask. Both must agree for chunks that
+gathers it block by block and runs two flash calls merged by log-sum-exp (their parity
+with one masked SDPA call is test_prefill_attention.py). Both must agree for chunks that
 start at 0, continue a prefix, end mid-block, and span more than one query tile.
 """
 

@@ -8,10 +8,12 @@ Token order in a step's batch (built by the model runner):
 Decodes go through the paged decode kernel (C, reads K/V through the block table in
 place), one call per decode group: plain decodes are groups of one row per sequence; a
 speculative verification's 1 + k rows form a group with 1 + k rows per sequence, which the
-kernel serves with one pass over the context for all rows. Each prefill chunk runs SDPA:
-a chunk that starts at position 0 attends to its own fresh K/V; a chunk that continues a
-prefix (prefix-cache hit or chunked prefill) gathers its earlier context from the cache
-once, which is amortized over the chunk.
+kernel serves with one pass over the context for all rows. A prefill chunk that starts
+at position 0 runs causal SDPA on its own fresh K/V. A chunk that continues a prefix
+(prefix-cache hit or chunked prefill) runs in two parts merged by their log-sum-exps
+(prefill_attention): the chunk against the prefix, gathered block by block and seen
+whole by every query (no mask), and the chunk against itself (causal); a short one goes
+to the C kernel instead, which reads the prefix in place (kernel_pays).
 """
 
 import ctypes
@@ -29,6 +31,9 @@ DECODE_PART_BLOCKS = 16
 # Head sizes the prefill kernel is built for (prefill_attention.c); others run SDPA.
 PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
 PREFILL_KERNEL_MAX_TOKENS = 64  # longer chunks go to SDPA: kernel_pays
+# The CPU flash attention behind SDPA, called directly because it also returns each
+# query's log-sum-exp (out, lse); prefill_attention merges two calls with it.
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 class PagedKVCache:
@@ -60,21 +65,20 @@ class PrefillChunk:
     block_table: torch.Tensor  # (blocks up to the chunk's end,) int32
     block_size: int
     _mask: torch.Tensor | None = None
-    _context_slots: torch.Tensor | None = None
 
-    def context_slots(self) -> torch.Tensor:
-        """Cache slots of the num_prior_tokens before the chunk: what the SDPA fallback
-        gathers (the kernel reads the block table itself). Built once per chunk."""
-        if self._context_slots is None:
-            pos = torch.arange(self.num_prior_tokens, device=self.block_table.device)
-            blocks = self.block_table.long()[pos // self.block_size]
-            self._context_slots = blocks * self.block_size + pos % self.block_size
-        return self._context_slots
+    def gather_prefix(self, flat: torch.Tensor) -> torch.Tensor:
+        """The num_prior_tokens rows before the chunk out of one layer's flat cache
+        (slots, n_kv_heads, head_dim), copied whole block by block: (num_prior, ...)."""
+        num_blocks = -(-self.num_prior_tokens // self.block_size)
+        blocks = flat.view(-1, self.block_size, *flat.shape[1:])
+        gathered = blocks.index_select(0, self.block_table[:num_blocks])
+        return gathered.view(-1, *flat.shape[1:])[: self.num_prior_tokens]
 
     def causal_mask(self, device) -> torch.Tensor:
         """Query i sits at absolute position num_prior + i and sees keys 0..num_prior + i
         (a bottom-right aligned causal mask; SDPA's is_causal is top-left aligned). Built
-        once per chunk and shared by every layer."""
+        once per chunk and shared by every layer; only the fallback without the flash op
+        uses it."""
         if self._mask is None:
             q_pos = torch.arange(self.num_tokens, device=device) + self.num_prior_tokens
             k_pos = torch.arange(self.num_prior_tokens + self.num_tokens, device=device)
@@ -168,18 +172,52 @@ def kernel_pays(chunk: PrefillChunk) -> bool:
 
 
 def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
-    if chunk.num_prior_tokens:
-        k = torch.cat((k_flat.index_select(0, chunk.context_slots()), k))
-        v = torch.cat((v_flat.index_select(0, chunk.context_slots()), v))
-    # SDPA wants (B, heads, L, D); enable_gqa lets each kv head serve its group of query
-    # heads without copying K and V once per query head.
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    """Causal attention of one chunk; q: (T, n_heads, head_dim), k, v: the chunk's own
+    (T, n_kv_heads, head_dim). Returns (T, n_heads, head_dim), not contiguous.
+
+    After a prefix it is two flash-attention calls merged by their log-sum-exps, where
+    one call with a bottom-right causal mask (prefill_attention_masked) was the way before:
+
+                 keys:  prefix (num_prior)      chunk (T)
+        query 0      [ x x x x x x x x x ]  [ x . . . ]   part 1: no mask
+        query 1      [ x x x x x x x x x ]  [ x x . . ]   part 2: is_causal=True
+        query T-1    [ x x x x x x x x x ]  [ x x x x ]   (top-left aligned, as SDPA's)
+
+        lse = logaddexp(lse_1, lse_2);  out = out_1 e^(lse_1 - lse) + out_2 e^(lse_2 - lse)
+
+    Neither call reads a mask (SDPA turns a boolean one into a float tensor of T x context
+    on every call, then adds it to every score) and part 2 skips the tiles above the
+    diagonal; the prefix is gathered out of the paged cache block by block, with no
+    concatenation with the chunk's K/V. The merge is exact: it matches the masked call to
+    ~1e-7. Measured in `once bench engine` (bench/engine_bench/prefill_attention.py).
+    """
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
     gqa = q.shape[1] != k.shape[1]
     if chunk.num_prior_tokens == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-    else:
-        mask = chunk.causal_mask(q.device)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+        return o.squeeze(0).transpose(0, 1)
+    if _FLASH_WITH_LSE is None or q.device.type != "cpu":
+        return prefill_attention_masked(q, k, v, k_flat, v_flat, chunk)
+    k_prefix, v_prefix = (chunk.gather_prefix(flat) for flat in (k_flat, v_flat))
+    kph, vph = (t.transpose(0, 1).unsqueeze(0) for t in (k_prefix, v_prefix))
+    # The op takes grouped K/V heads as they are (n_heads a multiple of n_kv_heads).
+    out_1, lse_1 = _FLASH_WITH_LSE(qh, kph, vph, 0.0, False)
+    out_2, lse_2 = _FLASH_WITH_LSE(qh, kh, vh, 0.0, True)
+    lse = torch.logaddexp(lse_1, lse_2)  # (1, n_heads, T)
+    o = out_1 * (lse_1 - lse).exp_().unsqueeze(-1)
+    o.addcmul_(out_2, (lse_2 - lse).exp_().unsqueeze(-1))
+    return o.squeeze(0).transpose(0, 1)
+
+
+def prefill_attention_masked(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
+    """One SDPA call on the gathered context with a bottom-right causal mask: the way
+    without the flash op (another device, a torch without it) and the reference."""
+    k = torch.cat((chunk.gather_prefix(k_flat), k))
+    v = torch.cat((chunk.gather_prefix(v_flat), v))
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    mask = chunk.causal_mask(q.device)
+    gqa = q.shape[1] != k.shape[1]
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -28,6 +28,7 @@ from once.model_files import DEFAULT_MODEL
 _REPO_ROOT = Path(__file__).resolve().parents[4]
 DEFAULT_OUT = _REPO_ROOT / "results" / "bench_engine.json"
 CONTENTION_OUT = _REPO_ROOT / "results" / "bench_engine_contention.json"
+PREFILL_ATTENTION_OUT = _REPO_ROOT / "results" / "bench_prefill_vs_sdpa.json"
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
     p.add_argument("--out", type=Path, default=None, help="results file")
+    p.add_argument(
+        "--prefill-attention-only",
+        action="store_true",
+        help="only prefill attention at 2k and 8k context, once vs torch SDPA (seconds)",
+    )
     contention.add_arguments(p)
     return p
 
@@ -237,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.contention:
         return _contention(args)
+    if args.prefill_attention_only:
+        return _prefill_attention_only(args)
     args.out = args.out or DEFAULT_OUT
     try:
         options = options_from_args(args)
@@ -266,3 +274,49 @@ def _contention(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     return 0
+
+
+def _prefill_attention_only(args: argparse.Namespace) -> int:
+    """The prefill-attention part of the run alone: the model's head shape, no engine."""
+    import torch
+
+    from once.engine.loader import model_config_from_hf, resolve_model_path
+
+    folder = resolve_model_path(args.model)
+    config = model_config_from_hf(json.loads((folder / "config.json").read_text()), folder)
+    torch.set_num_threads(args.threads)
+    started, cpu_start = time.perf_counter(), report.cpu_snapshot()
+    measured = prefill_attention.measure(
+        config.num_heads, config.num_kv_heads, config.head_dim, _log_stderr
+    )
+    machine = report.machine_info(args.threads)
+    machine["other_cpu_load"] = report.other_cpu_load(cpu_start, report.cpu_snapshot())
+    figures = {name: measured[name] for name in ("prefill_vs_sdpa_2k", "prefill_vs_sdpa_8k")}
+    results = {
+        "benchmark": "engine",
+        "part": "prefill_attention",
+        "model": args.model,
+        "num_threads": args.threads,
+        "machine": machine,
+        "once": {"prefill_attention": measured},
+        **figures,
+        "bars": {n: bar for n, bar in report.bars(figures).items() if n in figures},
+        "elapsed_s": time.perf_counter() - started,
+    }
+    out = args.out or PREFILL_ATTENTION_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(results, indent=2)
+    out.write_text(text + "\n")
+    print("\n".join(report.prefill_attention_lines(measured)), file=sys.stderr)
+    for name, bar in results["bars"].items():
+        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[bar["pass"]]
+        line = f"  {name:<28} {bar['value']:.3f} {bar['op']} {bar['threshold']} {verdict}"
+        print(line, file=sys.stderr)
+    print(f"results written to {out}", file=sys.stderr)
+    if args.json:
+        print(text)
+    return 0
+
+
+def _log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -134,16 +134,7 @@ def render_table(results: dict) -> str:
             f"prefill tok/s once {_fmt(long_once['prefill_tok_s'])} "
             f"hf {_fmt(long_hf.get('prefill_tok_s'))}"
         )
-    prefill = once.get("prefill_attention") or {}
-    for label in ("2k", "8k"):
-        if f"prefill_vs_sdpa_{label}" in prefill:
-            ways = ("once", "sdpa", "kernel")
-            rates = [prefill.get(f"prefill_attention_tok_s_{label}_{way}", 0) for way in ways]
-            lines.append(
-                f"  prefill attention @ {label} ctx, {prefill['chunk_tokens']}-token chunk, "
-                f"tok/s per layer: once {rates[0]:.0f} torch SDPA {rates[1]:.0f} "
-                f"(C kernel forced {rates[2]:.0f})"
-            )
+    lines.extend(prefill_attention_lines(once.get("prefill_attention") or {}))
     session = results.get("session") or {}
     if session:
         lines.append("")
@@ -175,3 +166,18 @@ def render_table(results: dict) -> str:
             f" {verdict}"
         )
     return "\n".join(lines)
+
+
+def prefill_attention_lines(prefill: dict) -> list[str]:
+    lines = []
+    for label in ("2k", "8k"):
+        if f"prefill_vs_sdpa_{label}" in prefill:
+            ways = ("once", "sdpa", "masked", "kernel")
+            rates = [prefill.get(f"prefill_attention_tok_s_{label}_{way}", 0) for way in ways]
+            lines.append(
+                f"  prefill attention @ {label} ctx, {prefill['chunk_tokens']}-token chunk, "
+                f"tok/s per layer: once {rates[0]:.0f} torch SDPA {rates[1]:.0f} "
+                f"(masked SDPA on the gathered context {rates[2]:.0f}, C kernel forced "
+                f"{rates[3]:.0f}); once / SDPA {prefill[f'prefill_vs_sdpa_{label}']:.3f}"
+            )
+    return lines
