@@ -37,6 +37,7 @@ from once.gateway.admission.auth import KeyRing, Tenant
 from once.gateway.admission.capacity import CpuCostMeter
 from once.gateway.admission.ratelimit import RateLimiter
 from once.gateway.aliases import ModelAliases
+from once.gateway.final_save import FinalSave, saved_turn
 from once.gateway.front.keep_alive import KEEP_ALIVE, with_keep_alives
 from once.gateway.generation import EventBatch, Generation
 from once.gateway.hosted.base import MAX_HOSTED_CALLS, HostedOutcome, HostedTools, HostedTurn
@@ -46,10 +47,10 @@ from once.gateway.output import COMPLETED, OutputEvent, Usage
 from once.gateway.pause_hints import pause_hint
 from once.gateway.prepare import Prepared, PromptPreparer
 from once.gateway.prompt.constraints import output_constraint
-from once.gateway.prompt.tokens import BuiltPrompt, ConversationState
+from once.gateway.prompt.tokens import BuiltPrompt
 from once.gateway.prompt.tool_items import hosted_tool_names
-from once.gateway.state.conversation import ConnectionCache, Conversations, SavedTurn
-from once.gateway.state.prefix_states import KeptState, PrefixStates, states_after_response
+from once.gateway.state.conversation import ConnectionCache, Conversations
+from once.gateway.state.prefix_states import PrefixStates
 from once.gateway.state.store import ResponseStore
 from once.gateway.validation import check_semantics
 from once.gateway.warm_up import warm_up_events
@@ -75,16 +76,6 @@ class EventEncoder(Protocol):
 
 
 Frame = Callable[[list[Any]], object]  # a batch of wire events -> what the transport writes
-
-
-@dataclass
-class FinalSave:
-    """What the last batch leaves to save: the state's ids, the sampled ids, and whether."""
-
-    token_ids: list[int]
-    output_ids: list[int]
-    save: bool
-    verification: asyncio.Task[bool] | None = None
 
 
 @dataclass
@@ -367,45 +358,9 @@ class ResponsePipeline:
         """Keep the conversation; the store's error when the response could not be stored."""
         if not final.save:
             return None
-        built, request = prepared.built, prepared.request
-        items = None
-        if prepared.items is not None:
-            items = prepared.items + tuple(prepared.output.items)
-        state = ConversationState(
-            render_key=built.render_key,
-            token_ids=final.token_ids,
-            after_output=bool(final.output_ids),
-            items=items,
-        )
-        turn = SavedTurn(
-            response_id=prepared.response_id,
-            tenant=prepared.tenant.name,
-            state=state,
-            store=request.store,
-            api_object=encoder.api_object() if request.store else {},
-            new_items=list(prepared.new_items),
-            previous_response_id=request.previous_response_id,
-            prompt_token_ids=final.token_ids[: len(final.token_ids) - len(final.output_ids)],
-            output_token_ids=final.output_ids,
-            prefix_states=self._prefix_states(prepared, final),
-            used_prefix_key=prepared.used_prefix_key,
-        )
+        api_object = encoder.api_object() if prepared.request.store else {}
+        turn = saved_turn(prepared, final, api_object)
         return await self.conversations.save(turn, prepared.connection, final.verification)
-
-    def _prefix_states(self, prepared: Prepared, final: FinalSave) -> list[KeptState]:
-        """A stateless request's two states (prefix_states.py): its prompt's context, and
-        the prompt plus the sampled ids under the hash of the reply sent back unchanged."""
-        built = prepared.built
-        return states_after_response(
-            prepared.model.renderer,
-            prepared.chain_hashes or [],
-            built.render_key,
-            list(built.context_ids),
-            final.token_ids if final.output_ids else list(built.context_ids),
-            prepared.output.items,
-            prepared.new_items[-1:],
-            prepared.model.builder.turn_end_ids,
-        )
 
     def _start_verification(self, prepared: Prepared) -> asyncio.Task[bool] | None:
         task = self.preparer.start_verification(prepared)

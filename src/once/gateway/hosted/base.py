@@ -81,6 +81,11 @@ class HostedTool(Protocol):
 
     async def open(self, turn: HostedTurn) -> HostedOutcome | None: ...
 
+    def prompt_functions(self, request: ResponsesRequest) -> Sequence[dict]:
+        """Function declarations the tool adds to the prompt beyond what render.py writes
+        for the request's tools; most add none."""
+        ...
+
 
 class HostedTools:
     def __init__(self, tools: Sequence[HostedTool] = ()):
@@ -104,9 +109,7 @@ class HostedTools:
         request's tools (hosted/backends.py's one-argument functions)."""
         found: list[dict] = []
         for tool in self.tools:
-            declare = getattr(tool, "prompt_functions", None)
-            if declare is not None:
-                found.extend(declare(request))
+            found.extend(tool.prompt_functions(request))
         return tuple(found)
 
     async def open(self, turn: HostedTurn) -> HostedOutcome | None:
@@ -144,6 +147,9 @@ class ToolSearch:
 
     async def open(self, turn: HostedTurn) -> HostedOutcome | None:
         return None
+
+    def prompt_functions(self, request: ResponsesRequest) -> Sequence[dict]:
+        return ()
 
     async def run(self, call: dict, turn: HostedTurn) -> HostedOutcome:
         request = turn.request

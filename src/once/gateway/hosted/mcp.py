@@ -27,7 +27,7 @@ the real one (the `mcp` SDK's client), and tests reach real servers on loopback.
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import httpx2
@@ -172,6 +172,9 @@ class RemoteMcp:
             return HostedOutcome(suspend=True)  # the client answers with its approval
         config = mcp_servers(turn.request.tools)[call["server_label"]]
         return HostedOutcome([await self._called(config, call, turn)])
+
+    def prompt_functions(self, request: ResponsesRequest) -> Sequence[dict]:
+        return ()
 
     def opens(self, request: ResponsesRequest) -> bool:
         return bool(mcp_servers(request.tools)) or any(

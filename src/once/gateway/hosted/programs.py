@@ -24,6 +24,7 @@ WebSocket connection's state: the pipeline hands over every item (HostedTurn).
 """
 
 import json
+from collections.abc import Sequence
 from typing import NoReturn
 
 from once.gateway.hosted.base import HostedOutcome, HostedTurn
@@ -64,6 +65,9 @@ class ProgrammaticToolCalling:
 
     async def run(self, call: dict, turn: HostedTurn) -> HostedOutcome:
         return await self._replay(call, turn)
+
+    def prompt_functions(self, request: ResponsesRequest) -> Sequence[dict]:
+        return ()
 
     def opens(self, request: ResponsesRequest) -> bool:
         return any(

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from once.gateway.apis.messages.events import MessagesEncoder
 from once.gateway.front.http_io import decode_json, read_body
 from once.gateway.front.http_reply import reply
-from once.gateway.front.sse import sse_frame
+from once.gateway.front.sse import sse_chunk
 from once.gateway.pipeline import ResponsePipeline
 from once.protocol.errors import OnceError, RateLimitError
 from once.protocol.messages import parse_count_tokens_request, parse_messages_request
@@ -46,10 +46,6 @@ def anthropic_error_response(
 def authorization_of(http: Request) -> str | None:
     api_key = http.headers.get("x-api-key")
     return f"Bearer {api_key}" if api_key else http.headers.get("authorization")
-
-
-def sse_chunk(events: list[dict]) -> bytes:
-    return b"".join(sse_frame(event) for event in events)
 
 
 def messages_routes(pipeline: ResponsePipeline) -> APIRouter:

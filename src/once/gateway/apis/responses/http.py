@@ -13,17 +13,13 @@ from once.gateway.apis.responses.events import ResponsesEncoder
 from once.gateway.apis.responses.input_items import chain_items, page, parse_query
 from once.gateway.front.http_io import decode_json, error_response, read_body
 from once.gateway.front.http_reply import reply
-from once.gateway.front.sse import sse_frame
+from once.gateway.front.sse import sse_chunk
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.protocol.errors import InvalidRequestError, ResponseNotFoundError
 from once.protocol.responses import parse_request
 
 TRANSPORT = "http"
-
-
-def sse_chunk(events: list[dict]) -> bytes:
-    return b"".join(sse_frame(event) for event in events)
 
 
 def no_frames(events: list[dict]) -> None:
