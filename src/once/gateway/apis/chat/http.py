@@ -6,17 +6,15 @@ parsing, stop strings, metrics) is the same pipeline as the Responses API's.
 """
 
 import json
-import time
 
 from fastapi import APIRouter, Request
 
 from once.gateway.apis.chat.events import ChatCompletionsEncoder
-from once.gateway.front.http_io import decode_json, error_response, read_body
+from once.gateway.front.http_admit import admit_http
+from once.gateway.front.http_io import error_response
 from once.gateway.front.http_reply import reply
 from once.gateway.pipeline import ResponsePipeline
 from once.protocol.chat import include_usage, parse_chat_request
-
-TRANSPORT = "http"
 
 
 def sse_data(events: list[dict | str | bytes]) -> bytes:
@@ -37,21 +35,13 @@ def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(http: Request):
-        body = await read_body(http, pipeline.max_body_bytes)
-        received_at = time.perf_counter()
-        pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(body))
-        decoded = decode_json(body)
-        admission = await pipeline.admit(
-            decoded,
-            http.headers.get("authorization"),
-            transport=TRANSPORT,
-            received_at=received_at,
-            parse=parse_chat_request,
-            api="chat",
-        )
+        admission = await admit_http(pipeline, http, parse_chat_request, api="chat")
         prepared = await pipeline.prepare(admission)
         encoder = ChatCompletionsEncoder(
-            prepared.request, prepared.response_id, prepared.created_at, include_usage(decoded)
+            prepared.request,
+            prepared.response_id,
+            prepared.created_at,
+            include_usage(admission.body),
         )
         return await reply(pipeline, prepared, encoder, sse_data, error_response, http)
 

@@ -7,13 +7,11 @@ API surface served is the one the installed `anthropic` SDK types. Errors, here 
 every /v1/messages path, take Anthropic's shape (`anthropic_error_response`).
 """
 
-import time
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from once.gateway.apis.messages.events import MessagesEncoder
-from once.gateway.front.http_io import decode_json, read_body
+from once.gateway.front.http_admit import admit_http
 from once.gateway.front.http_reply import reply
 from once.gateway.front.sse import sse_chunk
 from once.gateway.pipeline import ResponsePipeline
@@ -52,16 +50,8 @@ def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
     router = APIRouter()
 
     async def admit(http: Request, parse=parse_messages_request):
-        body = await read_body(http, pipeline.max_body_bytes)
-        received_at = time.perf_counter()
-        pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(body))
-        return await pipeline.admit(
-            decode_json(body),
-            authorization_of(http),
-            transport=TRANSPORT,
-            received_at=received_at,
-            parse=parse,
-            api="messages",
+        return await admit_http(
+            pipeline, http, parse, api="messages", authorization=authorization_of
         )
 
     @router.post("/v1/messages")

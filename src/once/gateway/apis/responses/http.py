@@ -4,22 +4,19 @@ A thin front end: it reads the bounded body, hands it to the pipeline, and write
 pipeline yields, either the final response object (JSON) or the events as SSE frames.
 """
 
-import time
-
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from once.gateway.apis.responses.events import ResponsesEncoder
 from once.gateway.apis.responses.input_items import chain_items, page, parse_query
-from once.gateway.front.http_io import decode_json, error_response, read_body
+from once.gateway.front.http_admit import admit_http
+from once.gateway.front.http_io import error_response
 from once.gateway.front.http_reply import reply
 from once.gateway.front.sse import sse_chunk
 from once.gateway.pipeline import ResponsePipeline
 from once.gateway.prepare import Prepared
 from once.protocol.errors import InvalidRequestError, ResponseNotFoundError
 from once.protocol.responses import parse_request
-
-TRANSPORT = "http"
 
 
 def no_frames(events: list[dict]) -> None:
@@ -32,20 +29,10 @@ def responses_encoder(prepared: Prepared) -> ResponsesEncoder:
 
 def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
     router = APIRouter()
-    metrics = pipeline.metrics
 
     @router.post("/v1/responses")
     async def create_response(http: Request):
-        body = await read_body(http, pipeline.max_body_bytes)
-        received_at = time.perf_counter()
-        metrics.received_bytes.labels(TRANSPORT).inc(len(body))
-        admission = await pipeline.admit(
-            decode_json(body),
-            http.headers.get("authorization"),
-            transport=TRANSPORT,
-            received_at=received_at,
-            parse=parse_request,
-        )
+        admission = await admit_http(pipeline, http, parse_request)
         if not admission.request.generate:
             raise InvalidRequestError("generate=false is a WebSocket-mode field", param="generate")
         prepared = await pipeline.prepare(admission)
@@ -54,14 +41,7 @@ def responses_routes(pipeline: ResponsePipeline) -> APIRouter:
 
     @router.post("/v1/responses/input_tokens")
     async def count_input_tokens(http: Request):
-        body = await read_body(http, pipeline.max_body_bytes)
-        admission = await pipeline.admit(
-            decode_json(body),
-            http.headers.get("authorization"),
-            transport=TRANSPORT,
-            received_at=time.perf_counter(),
-            parse=parse_request,
-        )
+        admission = await admit_http(pipeline, http, parse_request, count_bytes=False)
         tokens = await pipeline.count_prompt_tokens(admission)
         return {"object": "response.input_tokens", "input_tokens": tokens}
 
