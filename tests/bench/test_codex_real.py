@@ -136,3 +136,6 @@ def test_first_response_s_runs_from_the_first_prompt_to_the_first_response_ended
     assert first_response_s(readings[:4]) is None  # still prefilling when Codex ended
     http = [Reading(0.0, 0, 0, 0), Reading(1.0, 1, 14_012, 0), Reading(90.0, 1, 14_012, 1)]
     assert first_response_s(http) == 89.0
+    # The warm-up and the first call between two readings: the warm-up's end is not it.
+    both = [Reading(0.0, 0, 0, 0), Reading(1.0, 2, 14_012, 1), Reading(200.0, 2, 14_012, 2)]
+    assert first_response_s(both) == 199.0

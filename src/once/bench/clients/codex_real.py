@@ -196,34 +196,31 @@ class Reading(NamedTuple):
 def first_response_s(readings: Sequence[Reading]) -> float | None:
     """From the first reading with a prompt's tokens to the first with that response
     ended: how long Codex's first stream lasted (its prefill is the silent part), to
-    within METRICS_POLL_S. Responses to builds without tokens (Codex's WebSocket
-    warm-up) end at once and are not it."""
-    empty_builds, started = 0, None
-    for reading in readings:
-        if started is None:
-            if reading.prompt_tokens == 0:
-                empty_builds = reading.builds
-                continue
-            started = reading.at_s
-        if reading.responses > empty_builds:
-            return round(reading.at_s - started, 1)
-    return None
+    within METRICS_POLL_S. Builds before it (Codex's WebSocket warm-up, nothing to
+    prefill) end at once, so it has ended when as many responses have as builds."""
+    first = next((reading for reading in readings if reading.prompt_tokens > 0), None)
+    if first is None:
+        return None
+    ended = next(
+        (r for r in readings if r.at_s >= first.at_s and r.responses >= first.builds), None
+    )
+    return None if ended is None else round(ended.at_s - first.at_s, 1)
 
 
-async def _watch(http: httpx.AsyncClient, url: str, readings: list[Reading]) -> None:
+def _reading(samples: dict[str, dict[tuple, float]], origin: float) -> Reading:
+    return Reading(
+        round(time.perf_counter() - origin, 1),
+        _total(samples, "once_gateway_renders_total"),
+        _total(samples, "once_gateway_prompt_tokens_total"),
+        _total(samples, "once_gateway_requests_total"),
+    )
+
+
+async def _watch(http: httpx.AsyncClient, url: str, readings: list[Reading], origin: float) -> None:
     """Appends a Reading every METRICS_POLL_S until cancelled."""
-    started = time.perf_counter()
     while True:
         with contextlib.suppress(httpx.HTTPError):
-            samples = await _read_metrics(http, url)
-            readings.append(
-                Reading(
-                    round(time.perf_counter() - started, 1),
-                    _total(samples, "once_gateway_renders_total"),
-                    _total(samples, "once_gateway_prompt_tokens_total"),
-                    _total(samples, "once_gateway_requests_total"),
-                )
-            )
+            readings.append(_reading(await _read_metrics(http, url), origin))
         await asyncio.sleep(METRICS_POLL_S)
 
 
@@ -242,7 +239,7 @@ async def run_mode(
             httpx.AsyncClient(timeout=METRICS_TIMEOUT_S) as http,
         ):
             with busy_beside(num_busy):
-                watcher = asyncio.create_task(_watch(http, server.url, readings))
+                watcher = asyncio.create_task(_watch(http, server.url, readings, started))
                 try:
                     done = await run_codex(
                         server.url,
@@ -258,6 +255,7 @@ async def run_mode(
                         await watcher
                 load = os.getloadavg()[0]
             samples = await _read_metrics(http, server.url)
+            readings.append(_reading(samples, started))  # the last response's end
             log_tail = server.log_tail()
     result = {
         "returncode": done.returncode,
