@@ -1,7 +1,7 @@
 """What an MCP `tools/call` gave back, as text: one rendering for every layer that calls MCP.
 
 The harness's MCP tools (agent/tools/mcp_client.py) and the gateway's hosted MCP calls
-(gateway/mcp_hosted.py) both hand a model a result as one string: text parts joined by
+(gateway/hosted/mcp.py) both hand a model a result as one string: text parts joined by
 newlines, other parts named by type (and MIME type), the structured content as JSON when
 there is nothing else.
 """

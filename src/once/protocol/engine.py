@@ -178,7 +178,7 @@ class GenerateRequest:
     forced_output_ids: tuple[int, ...] | None = None
     # Prefill/decode disaggregation, vLLM's field and keys: {"do_remote_decode": true} to a
     # prefill engine; to a decode engine, what the prefill engine's last delta returned
-    # ({"do_remote_prefill": true, "remote_address": ...}; kv/transfer.py).
+    # ({"do_remote_prefill": true, "remote_address": ...}; engine/kv/disagg/transfer.py).
     kv_transfer_params: dict | None = None
 
     def __post_init__(self):

@@ -25,7 +25,7 @@ right after it (blocks of the run's size written to a store and read back throug
 checked and copied into tensors as the engine does; median of 3 rounds). Outputs are the
 recorded ones forced, so "identical outputs" means every call of both variants ran to its
 recorded output; token identity of a split against a colocated run, greedy, is the
-engine's own test (tests/engine/test_kv_transfer.py).
+engine's own test (tests/engine/test_kv_disagg.py).
 
 On this 2-core machine both roles share the cores with the gateway and each other, so the
 live latency figures say how the path behaves, not what disaggregation buys at scale: the

@@ -1,10 +1,11 @@
 """Session-aware KV: what the engine does with a session's blocks while its agent runs a tool.
 
 The gateway learns, when a response ends in a tool call, how long the harness expects
-that tool to take (the harness's own running estimate per tool, sent as request metadata;
-gateway/pause_hints.py), and tells the engine `pause(session_key, expected_s)`. The
-engine remembers, per session, the block hashes of its last finished request (its prompt
-and output: the prefix of the session's next call), and then:
+that tool to take (the harness's own running estimate per tool, sent as request metadata:
+protocol/pause_hints.py; the gateway reads it in gateway/pause_hints.py), and tells the
+engine `pause(session_key, expected_s)`. The engine remembers, per session, the block
+hashes of its last finished request (its prompt and output: the prefix of the session's
+next call), and then:
 
 - a short pause (expected_s <= keep_s): the blocks are kept in the device pool until
   `expected_s x KEEP_SLACK + KEEP_MARGIN_S` from now; evictions take every other free
