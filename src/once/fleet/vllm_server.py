@@ -9,7 +9,8 @@ vLLM lives in its own virtualenv (`make vllm` makes `.venv-vllm` beside `.venv`;
 one is named by `ONCE_VLLM_PYTHON`), so its pins never touch once's. Each server is
 `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script of the CPU
 build looks for a distribution named `vllm` and fails) bound to 127.0.0.1, with:
-- `--enforce-eager`: no torch.compile (minutes per start on two busy cores);
+- `--enforce-eager`: no torch.compile (minutes per start on two busy cores), unless the
+  spec asks for vLLM's compiled default (the engine bench does);
 - `--block-size 32`: the CPU attention backend takes multiples of 32 only, and its
   default, 128, would recompute up to 127 tokens a turn that a 32-token block keeps;
 - `--kv-cache-memory-bytes`: a bounded KV cache (`VLLM_CPU_KVCACHE_SPACE` is whole GiB);
@@ -86,6 +87,7 @@ class VllmSpec:
     prefix_caching: bool = True
     kv_events: bool = True
     skip_tokenizer_init: bool = False  # token ids only: vLLM then cannot tokenize anything
+    enforce_eager: bool = True  # False: vLLM's default torch.compile (minutes to start)
     extra_args: tuple[str, ...] = ()
 
 
@@ -133,11 +135,12 @@ class VllmServer:
             "--max-model-len", str(spec.max_model_len),
             "--block-size", str(spec.block_size),
             "--kv-cache-memory-bytes", str(spec.kv_cache_mib * 2**20),
-            "--enforce-eager",
             "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
             # llguidance, as once's engine: it reads the gateway's grammars as they are.
             "--structured-outputs-config", '{"backend": "guidance"}',
         ]  # fmt: skip
+        if spec.enforce_eager:
+            command.append("--enforce-eager")
         command.append(
             "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching"
         )

@@ -1,7 +1,9 @@
 """Flags, the order of the measurements, and where the results go.
 
-Both stacks are loaded side by side and measured interleaved (once c1, transformers c1,
-once c8, ...), so a drift in machine load hits both rather than one.
+once and transformers are loaded side by side and measured interleaved (once c1,
+transformers c1, once c8, ...), so a drift in machine load hits both rather than one. The
+serving peers (vLLM's server, llama.cpp) run after once's engines are freed, on the same
+token ids and thread count (peers.py).
 """
 
 import argparse
@@ -17,6 +19,7 @@ from once.bench.engine_bench import (
     hf_baseline,
     llama_cpp_side,
     once_side,
+    peers,
     prefill_attention,
     report,
 )
@@ -45,6 +48,8 @@ class BenchOptions:
     max_num_batched_tokens: int = 512
     kv_cache_gib: float = 1.0
     skip_hf: bool = False
+    baselines: tuple[str, ...] = peers.DEFAULT_BASELINES
+    vllm_compiled: bool = False  # vLLM's torch.compile (minutes to start) instead of eager
     seed: int = 0
 
 
@@ -68,10 +73,13 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         **engine_kwargs,
     )
     vocab = engine.model_config.vocab_size
-    _check_fits(options, engine.max_model_len)
+    max_model_len = engine.max_model_len
+    _check_fits(options, max_model_len)
     once_side.warm_up(engine, vocab)
     hf_model = None
-    if not options.skip_hf:
+    skip_hf = options.skip_hf or "transformers" not in options.baselines
+    workload: dict = {"throughput": {}, "decode": [], "once_outputs": {}}
+    if not skip_hf:
         hf_model = hf_baseline.load_model(folder, options.num_threads)
         hf_baseline.warm_up(hf_model)
 
@@ -85,18 +93,22 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         once_res["throughput"][str(c)] = once_side.measure_throughput(
             engine, prompts, options.output_tokens
         )
+        workload["throughput"][str(c)] = prompts
+        workload["once_outputs"][str(c)] = once_res["throughput"][str(c)].pop("outputs")
         if hf_model is not None:
             log(f"throughput c{c}: transformers ...")
             hf_res["throughput"][str(c)] = hf_baseline.measure_throughput(
                 hf_model, prompts, options.output_tokens
             )
     if hf_model is not None and short_prompt is not None:
-        # Cross-check of the generate-difference step time by the manual loop.
+        # Cross-check of the streamed step time by the manual loop.
         hf_res["decode_loop_short"] = hf_baseline.measure_decode_loop(
             hf_model, short_prompt, options.decode_steps
         )
+    workload["decode"] = [short_prompt] if short_prompt is not None else []
     if options.ctx_long:
         prompt = random_prompts(1, options.ctx_long, vocab, f"{options.seed}/long-context")[0]
+        workload["decode"].append(prompt)
         log(f"decode at {options.ctx_long} context: once ...")
         once_res["long_context"] = once_side.measure_long_context(
             engine, prompt, options.decode_steps
@@ -132,12 +144,29 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
             del engine
             gc.collect()
 
-    llama = llama_cpp_side.measure(
-        options.model,
-        random_prompts(1, options.prompt_tokens, vocab, f"{options.seed}/llama-cpp")[0],
-        options.output_tokens,
-        options.num_threads,
-    )
+    llama = None
+    if "llamacpp" in options.baselines:
+        llama = llama_cpp_side.measure(
+            options.model,
+            random_prompts(1, options.prompt_tokens, vocab, f"{options.seed}/llama-cpp")[0],
+            options.output_tokens,
+            options.num_threads,
+        )
+    vllm = None
+    if "vllm" in options.baselines:
+        workload |= {"num_output": options.output_tokens, "decode_steps": options.decode_steps}
+        vllm = peers.run_vllm(
+            folder,
+            options.num_threads,
+            options.kv_cache_gib,
+            max_model_len,
+            not options.vllm_compiled,
+            workload,
+            shape if shape.num_turns else None,
+            vocab,
+            f"{options.seed}/session",
+            log,
+        )
     machine = report.machine_info(options.num_threads)
     machine["other_cpu_load"] = report.other_cpu_load(cpu_start, report.cpu_snapshot())
     results = {
@@ -148,8 +177,9 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         "options": asdict(options),
         "machine": machine,
         "once": once_res,
-        "transformers": None if options.skip_hf else hf_res,
+        "transformers": None if skip_hf else hf_res,
         "llama_cpp": llama,
+        "vllm": vllm,
         "session": session,
     }
     figures = report.headline(results)
@@ -200,7 +230,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--kv-cache-gib", type=float, default=d.kv_cache_gib)
-    p.add_argument("--skip-hf", action="store_true", help="measure once only")
+    p.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    p.add_argument(
+        "--baseline",
+        type=peers.parse_baselines,
+        default=peers.DEFAULT_BASELINES,
+        help="peers to measure, comma list of transformers, llamacpp (skipped when "
+        "llama_cpp is not importable), vllm (its CPU server from `make vllm`)",
+    )
+    p.add_argument(
+        "--vllm-compiled",
+        action="store_true",
+        help="run vLLM compiled (its default; minutes to start) rather than eager",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
     p.add_argument("--out", type=Path, default=None, help="results file")
@@ -235,6 +277,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_gib=args.kv_cache_gib,
         skip_hf=args.skip_hf,
+        baselines=args.baseline,
+        vllm_compiled=args.vllm_compiled,
         seed=args.seed,
     )
 

@@ -1,10 +1,10 @@
 """The transformers baseline, pinned: fp32, SDPA attention, static batches, its own KV cache.
 
 Decode step time, two methods (both reported):
-  - generate difference: (time of generate(64 tokens) - time of generate(1 token)) / 63
-    for the same batch. Both calls pay the same prefill, so the difference is exactly the
-    63 later steps, with generate's own per-step overhead (logits processors, stopping
-    criteria) included, as a user of `generate` pays it. Used for throughput configs.
+  - streamer put times: one generate(64 tokens) call with a streamer that notes when
+    each step's tokens arrive; the step is the mean gap after the first new token, with
+    generate's own per-step overhead (logits processors, stopping criteria) included, as
+    a user of `generate` pays it. Used for throughput configs.
   - manual loop: prefill with model(...) (chunked, so an 8k prompt fits in memory), then
     single-token forwards with past_key_values, each timed. Used at long contexts, where
     a second 8k prefill would double the cost of the measurement.
@@ -70,12 +70,30 @@ def _generation_config(model, num_new: int):
     )
 
 
-def timed_generate(model, input_ids: torch.Tensor, num_new: int) -> tuple[float, torch.Tensor]:
+class _StepClock:
+    """A generate() streamer that only notes when each put arrives: the first put is the
+    prompt, each later one a step's new tokens (one per row)."""
+
+    def __init__(self) -> None:
+        self.put_times: list[float] = []
+
+    def put(self, value) -> None:
+        self.put_times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(
+    model, input_ids: torch.Tensor, num_new: int, clock: _StepClock | None = None
+) -> tuple[float, torch.Tensor]:
     config = _generation_config(model, num_new)
     attention_mask = torch.ones_like(input_ids)  # all prompts one length: no padding
     with torch.inference_mode():
         started = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock
+        )
         elapsed = time.perf_counter() - started
     return elapsed, out
 
@@ -86,21 +104,25 @@ def warm_up(model) -> None:
 
 
 def measure_throughput(model, prompts: list[list[int]], num_output: int) -> dict:
-    """Static batch of all prompts; output tokens/s and the generate-difference step."""
+    """Static batch of all prompts: output tokens/s, and the decode step as the mean gap
+    between the steps' token puts after the first new token (a difference of two timed
+    generate calls went negative on a busy machine)."""
     input_ids = torch.tensor(prompts, dtype=torch.long)  # (N, prompt_len)
-    full_s, out = timed_generate(model, input_ids, num_output)
+    clock = _StepClock()
+    started = time.perf_counter()
+    full_s, out = timed_generate(model, input_ids, num_output, clock)
     num_new = out.shape[1] - input_ids.shape[1]
     if num_new != num_output:
         raise RuntimeError(f"transformers produced {num_new} tokens per row, not {num_output}")
-    first_s, _ = timed_generate(model, input_ids, 1)
-    step_s = (full_s - first_s) / (num_output - 1) if num_output > 1 else None
+    steps = clock.put_times[1:]  # put 0 is the prompt
+    step_s = (steps[-1] - steps[0]) / (len(steps) - 1) if len(steps) > 1 else None
     return {
         "concurrency": len(prompts),
         "elapsed_s": full_s,
         "output_tok_s": len(prompts) * num_output / full_s,
-        "first_token_s": first_s,
+        "first_token_s": steps[0] - started if steps else None,
         "decode_step_ms": None if step_s is None else 1000 * step_s,
-        "step_method": "generate difference",
+        "step_method": "streamer put times",
     }
 
 

@@ -91,6 +91,9 @@ def measure_throughput(engine: LLMEngine, prompts: list[list[int]], num_output: 
         "decode_step_ms": result["decode_step_ms"],
         "num_decode_steps": result["num_decode_steps"],
         "num_cached_tokens": sum(m.num_cached_tokens for m in result["metrics"].values()),
+        # In prompt order, for the greedy check against a peer; the CLI keeps them out of
+        # the results file.
+        "outputs": [result["outputs"][r.request_id] for r in requests],
     }
 
 

@@ -16,6 +16,12 @@ BARS = {
     # Prefill attention, 512-token chunks, once over torch SDPA (prefill_attention.py).
     "prefill_vs_sdpa_2k": (">=", 1.0),
     "prefill_vs_sdpa_8k": (">=", 1.0),
+    # The serving peers (issue 29): once / vLLM's server and once / llama.cpp output tok/s,
+    # and once's turn-20 TTFT over vLLM's on the same session.
+    "vllm_tok_s_ratio_c1": (">=", 1.0),
+    "vllm_tok_s_ratio_c32": (">=", 1.0),
+    "vllm_ttft_ratio_turn20": ("<=", 0.8),
+    "llamacpp_tok_s_ratio_c1": (">=", 1.0),
 }
 
 
@@ -47,7 +53,47 @@ def headline(results: dict) -> dict:
         "session_ttft_ratio_20_1": session.get("ttft_ratio_last_first"),
         "prefill_vs_sdpa_2k": (once.get("prefill_attention") or {}).get("prefill_vs_sdpa_2k"),
         "prefill_vs_sdpa_8k": (once.get("prefill_attention") or {}).get("prefill_vs_sdpa_8k"),
+        **peer_figures(results),
     }
+
+
+def peer_figures(results: dict) -> dict:
+    """once over vLLM and llama.cpp: throughput per concurrency (higher is better for
+    once), decode step ms and turn-20 TTFT (lower is better for once)."""
+    once = results["once"]
+    vllm = results.get("vllm") or {}
+    figures = {}
+    for c, row in once["throughput"].items():
+        peer = vllm.get("throughput", {}).get(c, {})
+        figures[f"vllm_tok_s_ratio_c{c}"] = _ratio(row["output_tok_s"], peer.get("output_tok_s"))
+    # The bar's name is the default run's (c32), as throughput_ratio_c32's: the most
+    # concurrent requests measured.
+    max_c = max(once["throughput"], key=int, default=None)
+    figures["vllm_tok_s_ratio_c32"] = figures.get(f"vllm_tok_s_ratio_c{max_c}")
+    decode = vllm.get("decode", {})
+    once_c1 = once["throughput"].get("1", {})
+    short = (results.get("options") or {}).get("prompt_tokens")
+    figures["vllm_step_ratio_b1"] = _ratio(
+        once_c1.get("decode_step_ms"), decode.get(str(short), {}).get("decode_step_ms")
+    )
+    once_long = once.get("long_context") or {}
+    figures["vllm_step_ratio_b1_ctx_long"] = _ratio(
+        once_long.get("decode_step_ms"),
+        decode.get(str(once_long.get("context_tokens")), {}).get("decode_step_ms"),
+    )
+    once_turns = ((results.get("session") or {}).get("cached") or {}).get("turns") or []
+    vllm_turns = (vllm.get("session") or {}).get("turns") or []
+    figures["vllm_ttft_ratio_turn20"] = (
+        _ratio(once_turns[-1]["ttft_ms"], vllm_turns[-1]["ttft_ms"])
+        if once_turns and vllm_turns
+        else None
+    )
+    figures["vllm_session_computed_over_new"] = (vllm.get("session") or {}).get("computed_over_new")
+    llama = results.get("llama_cpp") or {}
+    figures["llamacpp_tok_s_ratio_c1"] = _ratio(
+        once_c1.get("output_tok_s"), llama.get("c1_output_tok_s")
+    )
+    return figures
 
 
 def bars(figures: dict) -> dict:
@@ -153,11 +199,11 @@ def render_table(results: dict) -> str:
             f"  total computed/new: cache {cached['computed_over_new']:.3f}, "
             f"no cache {uncached['computed_over_new']:.3f}"
         )
-    lines.append("")
-    lines.append(
-        f"llama.cpp: {results['llama_cpp'].get('status')} "
-        f"{results['llama_cpp'].get('reason', '')}".rstrip()
-    )
+    lines.extend(vllm_lines(results))
+    llama = results.get("llama_cpp")
+    if llama is not None:
+        lines.append("")
+        lines.append(f"llama.cpp: {llama.get('status')} {llama.get('reason', '')}".rstrip())
     lines.append("bars:")
     for name, bar in results["bars"].items():
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[bar["pass"]]
@@ -180,4 +226,35 @@ def prefill_attention_lines(prefill: dict) -> list[str]:
                 f"(masked SDPA on the gathered context {rates[2]:.0f}, C kernel forced "
                 f"{rates[3]:.0f}); once / SDPA {prefill[f'prefill_vs_sdpa_{label}']:.3f}"
             )
+    return lines
+
+
+def vllm_lines(results: dict) -> list[str]:
+    vllm = results.get("vllm")
+    if vllm is None:
+        return []
+    if vllm.get("status") != "ok":
+        return ["", f"vLLM: {vllm.get('status')} {vllm.get('reason', '')}".rstrip()]
+    mode = "eager" if vllm.get("eager") else "compiled"
+    lines = ["", f"vLLM server ({mode}, started in {vllm['startup_s']:.0f} s)"]
+    once_tp = results["once"]["throughput"]
+    for c, row in vllm["throughput"].items():
+        agreement = row.get("greedy_agreement") or {}
+        lines.append(
+            f"  c{c:<4} tok/s once {_fmt(once_tp.get(c, {}).get('output_tok_s'))} "
+            f"vLLM {_fmt(row['output_tok_s'])}; greedy outputs equal "
+            f"{agreement.get('num_equal', '-')}/{agreement.get('num_requests', '-')}"
+        )
+    for context, row in vllm["decode"].items():
+        lines.append(
+            f"  decode @ {context} ctx: vLLM step ms {_fmt(row['decode_step_ms'])}, "
+            f"prefill tok/s {_fmt(row['prefill_tok_s'])}"
+        )
+    session = vllm.get("session")
+    if session:
+        turns = session["turns"]
+        lines.append(
+            f"  session: computed/new {session['computed_over_new']:.3f}, TTFT turn 1 "
+            f"{turns[0]['ttft_ms']:.0f} ms, turn {turns[-1]['turn']} {turns[-1]['ttft_ms']:.0f} ms"
+        )
     return lines
