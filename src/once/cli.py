@@ -32,6 +32,7 @@ def _engine_config(args):
             kv_events_endpoint=args.kv_events_endpoint,
             speculative_adaptive=True if args.speculative_adaptive else None,
             cpu_gemm=args.cpu_gemm,
+            rope_scaling=args.rope_scaling,
             kv_host_blocks=args.kv_host_blocks,
             kv_disk_path=args.kv_disk_path,
             kv_disk_gib=args.kv_disk_gib,
@@ -69,6 +70,13 @@ def _add_engine_flags(parser):
     parser.add_argument("--model", default=None, help="model name, HF folder or .gguf file")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--rope-scaling",
+        default=None,
+        help='the model\'s rope_scaling replaced, JSON (e.g. {"rope_type": "yarn", '
+        '"factor": 4.0, "original_max_position_embeddings": 8192} to serve past its '
+        "trained context)",
+    )
     parser.add_argument("--kv-cache-gib", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)

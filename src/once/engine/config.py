@@ -1,5 +1,6 @@
 """The engine's one frozen config, resolved once (flags > env > defaults)."""
 
+import json
 import math
 import os
 from dataclasses import dataclass, fields, replace
@@ -49,6 +50,9 @@ class EngineConfig:
     # CPU fp32 matmuls from 3 rows up: "onednn" (weights packed once for oneDNN's GEMM, a
     # second copy in memory; engine/ops.py) or "torch" (torch's own, MKL here).
     cpu_gemm: str = "onednn"
+    # The model's HF rope_scaling replaced, as JSON (vLLM: --hf-overrides), e.g. YaRN to
+    # serve past the trained positions; "" keeps the model's own.
+    rope_scaling: str = ""
     # KV tiers below the device pool (kv/tiered_connector.py), all off by default.
     # L2: host-memory slots; 0 is off. A lower tier stages its loads through host memory,
     # so with one on the host tier has at least as many slots as the device pool.
@@ -103,6 +107,14 @@ class EngineConfig:
             raise ValueError(f"kv_pause_keep_s must be >= 0, got {self.kv_pause_keep_s}")
         if not (math.isfinite(self.kv_cache_gib) and self.kv_cache_gib >= 0):
             raise ValueError(f"kv_cache_gib must be >= 0 (0: auto), got {self.kv_cache_gib}")
+        if self.rope_scaling:
+            try:
+                if not isinstance(json.loads(self.rope_scaling), dict):
+                    raise ValueError
+            except ValueError:
+                raise ValueError(
+                    f"rope_scaling must be a JSON object, got {self.rope_scaling!r}"
+                ) from None
         if self.num_kv_blocks < 0 or self.max_model_len < 0:
             raise ValueError("num_kv_blocks and max_model_len must be >= 0 (0: auto)")
         if self.kv_host_blocks < 0 or self.kv_disk_gib <= 0 or self.kv_load_timeout_s < 0:

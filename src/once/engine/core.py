@@ -31,6 +31,7 @@ from once.engine.kv.session_pauses import SessionPauses
 from once.engine.logprobs import token_logprobs
 from once.engine.masks import GrammarMasks
 from once.engine.memory import keep_freed_memory
+from once.engine.models.config import serving_model_config
 from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
 from once.engine.runner import ModelRunner
@@ -84,6 +85,7 @@ class LLMEngine:
         self.model_path = resolve_model_path(config.model)
         dtype = getattr(torch, config.dtype)
         model_config, weights, _ = load_model_weights(self.model_path, dtype, config.device)
+        model_config = serving_model_config(model_config, config.rope_scaling, config.max_model_len)
         self.model_config = model_config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if model_config.sliding_window and self.max_model_len > model_config.sliding_window:

@@ -4,9 +4,13 @@ One class covers the Llama family: Llama, Mistral, Qwen2 (bias on q/k/v), Qwen3 
 on q and k per head), SmolLM (a Llama).
 """
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, replace
 
 from once.protocol.errors import UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -59,14 +63,6 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", 10000.0)
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) not in (
-            None,
-            "default",
-            "llama3",
-        ):
-            raise UnsupportedModelError(f"unsupported rope_scaling {rope_scaling!r}")
-        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
-            rope_scaling = None
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
         if family == "qwen2" and not hf.get("use_sliding_window", False):
             window = None
@@ -82,7 +78,7 @@ class ModelConfig:
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
             rope_theta=float(rope_theta),
-            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            rope_scaling=_rope_scaling_items(rope_scaling),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
             qk_norm=family == "qwen3",
@@ -90,3 +86,60 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=hf.get("bos_token_id"),
         )
+
+    def with_rope_scaling(self, rope_scaling: dict) -> "ModelConfig":
+        """The model with another HF rope_scaling dict, as vLLM's `--hf-overrides` sets it:
+        a context past the trained positions, e.g. {"rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 8192}."""
+        return replace(self, rope_scaling=_rope_scaling_items(rope_scaling))
+
+    @property
+    def trained_context(self) -> int:
+        """Positions the model holds with its rope scaling: a scaled model's trained
+        positions times its factor."""
+        scaling = dict(self.rope_scaling or ())
+        if not scaling:
+            return self.max_position_embeddings
+        original = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
+
+
+ROPE_TYPES = ("default", "llama3", "yarn")
+
+
+def _rope_scaling_items(rope_scaling: dict | None) -> tuple | None:
+    if not rope_scaling:
+        return None
+    if not isinstance(rope_scaling, dict):
+        raise UnsupportedModelError(f"rope_scaling must be an object, got {rope_scaling!r}")
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in (None, *ROPE_TYPES):
+        raise UnsupportedModelError(
+            f"unsupported rope_scaling {rope_scaling!r}; supported rope_type: {ROPE_TYPES}"
+        )
+    if kind in (None, "default"):
+        return None
+    factor = rope_scaling.get("factor")
+    if not isinstance(factor, int | float) or factor < 1:
+        raise UnsupportedModelError(f"rope_scaling needs a factor >= 1, got {rope_scaling!r}")
+    return tuple(sorted(rope_scaling.items()))
+
+
+def serving_model_config(model: ModelConfig, rope_scaling: str, max_model_len: int) -> ModelConfig:
+    """The model as served: `rope_scaling` (JSON, "" for the model's own) replaces the
+    config's, and a context asked past the positions the model holds is warned about
+    (vLLM refuses it unless told to allow it; a model past its trained context rarely
+    ends its replies)."""
+    if rope_scaling:
+        model = model.with_rope_scaling(json.loads(rope_scaling))
+    if max_model_len > model.trained_context:
+        logger.warning(
+            "max_model_len %d is past the %d positions the model holds; set rope_scaling "
+            '(e.g. {"rope_type": "yarn", "factor": %.1f, "original_max_position_embeddings": '
+            "%d}) for a longer context",
+            max_model_len,
+            model.trained_context,
+            max_model_len / model.max_position_embeddings,
+            model.max_position_embeddings,
+        )
+    return model

@@ -47,7 +47,49 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(is_medium, blended, scaled)
+    elif scaling.get("rope_type", scaling.get("type")) == "yarn":
+        inv_freq = _yarn_inv_freq(config, scaling)
     return inv_freq
+
+
+def _yarn_inv_freq(config: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): dimensions that turn fewer than beta_slow times over the
+    trained context are interpolated (frequency / factor), those that turn more than
+    beta_fast times are kept, with a linear ramp between the two."""
+    dim, base = config.head_dim, config.rope_theta
+    factor = float(scaling["factor"])
+    trained = scaling.get("original_max_position_embeddings", config.max_position_embeddings)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dimension_turning(num_turns: float) -> float:
+        # The rotary dimension whose wavelength fits num_turns times in the trained context.
+        return dim * math.log(trained / (num_turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return extrapolated / factor * ramp + extrapolated * (1 - ramp)
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """YaRN scales cos and sin (so q.k by its square): 0.1 ln(factor) + 1 by default."""
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+    return mscale(factor)
 
 
 class RotaryEmbedding:
@@ -56,8 +98,9 @@ class RotaryEmbedding:
     def __init__(self, config: ModelConfig, max_len: int, device, dtype):
         inv_freq = rope_inv_freq(config)
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
-        self.cos = freqs.cos().to(device=device, dtype=dtype)  # (max_len, head_dim / 2)
-        self.sin = freqs.sin().to(device=device, dtype=dtype)
+        scale = rope_attention_factor(config)
+        self.cos = (freqs.cos() * scale).to(device=device, dtype=dtype)  # (max_len, dim / 2)
+        self.sin = (freqs.sin() * scale).to(device=device, dtype=dtype)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Looked up once per forward and shared by every layer: (T, 1, head_dim / 2).
