@@ -139,3 +139,13 @@ def test_first_response_s_runs_from_the_first_prompt_to_the_first_response_ended
     # The warm-up and the first call between two readings: the warm-up's end is not it.
     both = [Reading(0.0, 0, 0, 0), Reading(1.0, 2, 14_012, 1), Reading(200.0, 2, 14_012, 2)]
     assert first_response_s(both) == 199.0
+
+
+def test_the_server_is_stretched_by_yarn_unless_told_otherwise(tmp_path):
+    from once.engine.config import EngineConfig
+
+    command = codex_real.serve_command(8000, tmp_path / "c.toml")
+    scaling = command[command.index("--rope-scaling") + 1]
+    assert json.loads(scaling)["factor"] * 8192 == codex_real.MAX_MODEL_LEN
+    EngineConfig(rope_scaling=scaling)  # a setting the engine takes as it is
+    assert "--rope-scaling" not in codex_real.serve_command(8000, tmp_path / "c", rope_scaling="")

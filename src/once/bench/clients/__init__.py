@@ -24,6 +24,7 @@ async def run_clients(
     codex_modes: tuple[str, ...] = ("http", "websocket"),
     served_model: str | None = None,
     max_output_tokens: int | None = None,
+    rope_scaling: str | None = None,
 ) -> dict:
     from once.gateway.testing import load_runtime
 
@@ -56,6 +57,8 @@ async def run_clients(
             served = replace(served, model=served_model)
         if max_output_tokens is not None:
             served = replace(served, max_output_tokens=max_output_tokens)
+        if rope_scaling is not None:
+            served = replace(served, rope_scaling=rope_scaling)
         report.update(await codex_real.run(busy, codex_modes, served))
     return report
 
@@ -97,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="the server's budget for replies that set none (Codex sets none): default 256",
     )
+    real.add_argument(
+        "--rope-scaling",
+        default=None,
+        help="the server's --rope-scaling JSON (default: YaRN x4 over SmolLM2's 8,192 "
+        "positions; '' serves the model unscaled)",
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"default: {DEFAULT_OUT}")
     args = parser.parse_args(argv)
     if args.busy < 0:
@@ -113,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             codex_modes=tuple(args.codex_modes),
             served_model=args.served_model,
             max_output_tokens=args.max_output_tokens,
+            rope_scaling=args.rope_scaling,
         )
     )
     out = args.out or (DEFAULT_REAL_CODEX_OUT if only_codex else DEFAULT_OUT)

@@ -7,8 +7,9 @@ WebSocket (the provider's `supports_websockets`), each beside `--busy` CPU-bound
 processes (contention.py's loops, started once the server answers and stopped when Codex
 ends). Each mode gets a fresh `once serve`, so each prefills Codex's first prompt (~14k
 tokens: its instructions and tool list) cold. That prompt is past SmolLM2's 8,192 trained
-positions, so the server runs with a 32k window (its answers are poor there, which is not
-what this measures) and caps replies that set no budget (Codex sets none) at 256 tokens
+positions, so the server runs with a 32k window stretched by YaRN (`--rope-scaling`,
+factor 4, as an operator serves a model past its trained context; without it SmolLM2
+never ended a reply there) and caps replies that set no budget (Codex sets none) at 256 tokens
 (`default_max_output_tokens`, an operator's setting, in the server's config file;
 `--max-output-tokens` changes it). A reply cut there ends `incomplete`, as OpenAI's API
 ends it, and Codex prints that as an error ("Incomplete response returned, reason:
@@ -60,6 +61,8 @@ MODES = ("http", "websocket")
 MAX_MODEL_LEN = 32768
 KV_CACHE_GIB = 1.5  # ~34k tokens of SmolLM2-135M's KV: the whole window
 DEFAULT_MAX_OUTPUT_TOKENS = 256
+# SmolLM2-135M's 8,192 trained positions stretched to the window.
+ROPE_SCALING = '{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}'
 PROMPT = "What time is it in UTC? Use the time tool."
 HANG_GUARD_S = 3600.0  # a hung run's bound, not a budget: a busy machine is only slower
 STARTUP_TIMEOUT_S = 600.0  # the same, for `once serve` to answer /healthz
@@ -139,13 +142,18 @@ class Served:
 
     model: str = DEFAULT_MODEL
     max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS
+    rope_scaling: str = ROPE_SCALING  # "": the model's own positions only
 
 
-def serve_command(port: int, config_path: Path, model: str = DEFAULT_MODEL) -> list[str]:
+def serve_command(
+    port: int, config_path: Path, model: str = DEFAULT_MODEL, rope_scaling: str = ROPE_SCALING
+) -> list[str]:
+    scaling = ["--rope-scaling", rope_scaling] if rope_scaling else []
     return [
         sys.executable, "-m", "once.cli", "serve",
         "--model", model,
         "--max-model-len", str(MAX_MODEL_LEN),
+        *scaling,
         "--kv-cache-gib", str(KV_CACHE_GIB),
         "--max-num-seqs", "4",
         "--store", "memory",
@@ -165,7 +173,7 @@ async def once_serve(folder: Path, served: Served = Served()) -> AsyncIterator[O
         "once serve",
         "127.0.0.1",
         port,
-        serve_command(port, config_path, served.model),
+        serve_command(port, config_path, served.model, served.rope_scaling),
         folder / "serve.log",
     )
     # Started from this (the loop's) thread: the child's parent-death signal follows the
@@ -301,6 +309,7 @@ async def run(
         "codex_real_model": results,
         "codex_real_model_served": served.model,
         "codex_real_model_max_output_tokens": served.max_output_tokens,
+        "codex_real_model_rope_scaling": served.rope_scaling or None,
         "codex_real_model_busy": num_busy,
         "codex_real_model_cores": len(os.sched_getaffinity(0)),
     }
