@@ -40,6 +40,7 @@ from once.gateway.prompt.toolcalls import (
     ToolCallStreamParser,
 )
 from once.gateway.safety.checker import SafetyVerdict
+from once.gateway.safety.gate import SafetyGate
 from once.gateway.stops import StopMatcher
 from once.gateway.validation import safety_texts
 from once.protocol.engine import (
@@ -152,28 +153,33 @@ class Generation:
                 self.check.cancel()
 
     async def _events(self, deltas: asyncio.Queue) -> AsyncIterator[EventBatch]:
-        prepared = self.prepared
+        """Engine deltas -> event batches, through the safety gate: until the last delta
+        (or a hosted call), batch what is ready and pass it through the gate; when the
+        verdict comes, release or filter; at the end, wait for a verdict still due, then
+        finish."""
         safety = self.model.safety
-        hold = self.check is not None and safety is not None and safety.policy == "hold"
-        held: EventBatch = []  # under `hold`: output waiting for the check to pass
+        gate = SafetyGate(
+            self.check,
+            hold=safety is not None and safety.policy == "hold",
+            on_verdict=self._record_verdict,
+        )
         detok = IncrementalDetokenizer(
             self.model.tokenizer.backend_tokenizer,
             prefix_ids=self.built.prompt_ids[-8:],
         )
-        parser = ToolCallStreamParser() if prepared.request.tool_choice != "none" else None
+        parser = ToolCallStreamParser() if self.prepared.request.tool_choice != "none" else None
         self.started = time.perf_counter()
         done = False
         while not done:
-            if self.check is not None and self.check.done():
-                if await self._check_failed():
-                    yield self._filtered(bool(held) and hold)
+            if gate.verdict_ready():
+                released = await gate.settle()
+                if gate.failed:
+                    yield self._filtered(gate.output_dropped)
                     return
-                hold = False
-                yield held
-                held = []
-            items = await self._next(deltas, self.check)
+                yield released
+            items = await self._next(deltas, gate.check)
             if items is None:
-                continue  # the check finished first: handle it at the loop top
+                continue  # the verdict came first: handled at the loop top
             # Wall time of this synchronous section stands for its CPU (thread_time is a
             # syscall costing ~20 us here): detokenize, parse, build the batch's events.
             t0 = time.perf_counter()
@@ -181,33 +187,22 @@ class Generation:
             self.detok_cpu_s += time.perf_counter() - t0
             if self.first_token_at is None and self.output_ids:
                 self.first_token_at = time.perf_counter()
-            if hold:
-                held.extend(events)
-            else:
-                yield events
-        if self.pending_call is not None:  # a hosted call: the pipeline takes it from here
-            if self.check is not None and await self._check_failed():
-                yield self._filtered(bool(held) and hold)
-                return
-            yield held
+            yield gate.admit(events)
+        released = await gate.settle()  # the output ended before the check did
+        if gate.failed:
+            yield self._filtered(gate.output_dropped)
             return
-        if self.check is not None:  # the output ended before the check did
-            if await self._check_failed():
-                yield self._filtered(bool(held) and hold)
-                return
-            yield held
+        yield released
+        if self.pending_call is not None:  # a hosted call: the pipeline takes it from here
+            return
         t0 = time.perf_counter()
         final = self._finish(detok, parser)
         self.detok_cpu_s += time.perf_counter() - t0
         self.completed_normally = True
         yield final
 
-    async def _check_failed(self) -> bool:
-        assert self.check is not None
-        verdict = await self.check
-        self.check = None
+    def _record_verdict(self, verdict: SafetyVerdict) -> None:
         self.metrics.record_safety(verdict, self.first_token_at, self.started)
-        return verdict.flagged
 
     async def _pump(self, engine_request: GenerateRequest, deltas: asyncio.Queue) -> None:
         try:
