@@ -179,26 +179,27 @@ async def first_delta_after(service, **body) -> tuple[float, list[dict]]:
 
 
 async def test_the_check_hides_behind_prefill(runtime):
-    # Seconds, not tenths: a busy machine's timer overshoot stays well inside the margins.
-    engine = scripted_texts(runtime, ["Done."], ttft_s=2.0)
-    service = make_service(runtime, engine, SleepyClassifier(1.0), "hold")
+    # Seconds, not tenths: a busy machine's timer overshoot (seen near 1 s beside a full
+    # test run) stays well inside the margins.
+    engine = scripted_texts(runtime, ["Done."], ttft_s=6.0)
+    service = make_service(runtime, engine, SleepyClassifier(3.0), "hold")
     ttft, events = await first_delta_after(service, input="hello")
     assert events[-1]["type"] == "response.completed"
-    assert 1.95 <= ttft < 2.9  # not 3.0: check and prefill overlapped
+    assert 5.95 <= ttft < 8.9  # not 9.0: check and prefill overlapped
     metrics = service.metrics
-    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(1.0, abs=0.25)
-    assert metrics.value(metrics.safety_exposed_seconds) < 0.25
+    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(3.0, abs=0.75)
+    assert metrics.value(metrics.safety_exposed_seconds) < 0.75
 
 
 async def test_a_check_slower_than_prefill_holds_output_and_counts_as_exposed(runtime):
-    engine = scripted_texts(runtime, ["Done."], ttft_s=0.5)
-    service = make_service(runtime, engine, SleepyClassifier(2.0), "hold")
+    engine = scripted_texts(runtime, ["Done."], ttft_s=1.5)
+    service = make_service(runtime, engine, SleepyClassifier(6.0), "hold")
     ttft, events = await first_delta_after(service, input="hello")
     assert events[-1]["type"] == "response.completed"
-    assert 1.95 <= ttft < 2.45  # held until the check passed; not 2.5: they overlapped
+    assert 5.95 <= ttft < 7.45  # held until the check passed; not 7.5: they overlapped
     metrics = service.metrics
-    assert metrics.value(metrics.safety_exposed_seconds) == pytest.approx(1.5, abs=0.25)
-    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(0.5, abs=0.25)
+    assert metrics.value(metrics.safety_exposed_seconds) == pytest.approx(4.5, abs=0.75)
+    assert metrics.value(metrics.safety_hidden_seconds) == pytest.approx(1.5, abs=0.75)
 
 
 # -- 5. only new items are classified ---------------------------------------------------------

@@ -24,6 +24,7 @@ from once.gateway.apis.messages.http import anthropic_error_response, messages_r
 from once.gateway.apis.responses.http import responses_routes
 from once.gateway.apis.responses.websocket import serve_connection
 from once.gateway.config import GatewayConfig
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_io import error_response
 from once.gateway.front.openapi import PathMethods, documented_routes, encoded_document
 from once.gateway.front.slow_clients import BodyDeadline
@@ -33,7 +34,7 @@ from once.gateway.hosted.mcp import RemoteMcp
 from once.gateway.hosted.programs import ProgrammaticToolCalling
 from once.gateway.metrics import GatewayMetrics
 from once.gateway.model import ModelRuntime
-from once.gateway.pipeline import ResponsePipeline
+from once.gateway.pipeline import GatewayParts, ResponsePipeline
 from once.gateway.state.prefix_states import PrefixStates
 from once.gateway.state.store import open_store
 from once.protocol.engine import EngineClient
@@ -55,10 +56,12 @@ ROUTING_ERRORS: dict[int, type[InvalidRequestError]] = {
 def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
     app = FastAPI(title="once gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = pipeline
+    parts = pipeline.parts
+    door = FrontDoor.build(pipeline, parts, pipeline.config)
     app.add_middleware(
         BodyDeadline,
-        timeout_s=pipeline.body_timeout_s,
-        on_timeout=pipeline.metrics.client_timeouts.labels("body").inc,
+        timeout_s=door.body_timeout_s,
+        on_timeout=door.metrics.client_timeouts.labels("body").inc,
     )
 
     def error_for(request: Request, error: OnceError, headers=None) -> Response:
@@ -89,18 +92,18 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
         logger.exception("unexpected error in the gateway")
         return error_for(request, OnceError(f"internal error: {type(error).__name__}"))
 
-    app.include_router(responses_routes(pipeline))
-    app.include_router(chat_routes(pipeline))
-    app.include_router(messages_routes(pipeline))
+    app.include_router(responses_routes(door))
+    app.include_router(chat_routes(door))
+    app.include_router(messages_routes(door))
 
     @app.get("/v1/models")
     async def list_models():
         # The served models, each with the client names that reach it.
-        aliases = pipeline.aliases.by_served()
+        aliases = parts.aliases.by_served()
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "once",
              "aliases": aliases.get(name, [])}
-            for name in pipeline.models
+            for name in parts.models
         ]  # fmt: skip
         return {"object": "list", "data": data}
 
@@ -110,14 +113,14 @@ def build_gateway_app(pipeline: ResponsePipeline) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(generate_latest(pipeline.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(parts.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.websocket("/v1/responses")
     async def websocket_mode(socket: WebSocket):
-        await serve_connection(pipeline, socket)
+        await serve_connection(door, socket)
 
     # Built once, after every route is in place, and served as the same bytes each time.
-    document = encoded_document(app, auth=pipeline.keyring.enabled, models=list(pipeline.models))
+    document = encoded_document(app, auth=parts.keyring.enabled, models=list(parts.models))
     path_methods.append(PathMethods(documented_routes(app)))
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -148,28 +151,22 @@ def create_gateway(
     `hosted`, the hosted tools, defaults to `default_hosted_tools()`."""
     registry = registry or CollectorRegistry()
     keyring = KeyRing.from_file(config.api_keys_file) if config.api_keys_file else KeyRing.open()
-    return ResponsePipeline(
-        engine,
-        models,
-        open_store(
-            config.store,
-            config.store_ttl_s,
-            max_bytes=config.store_max_bytes,
-            redis_timeout_s=config.redis_timeout_s,
-        ),
-        GatewayMetrics(registry),
-        CpuCostMeter(registry),
-        keyring,
-        RateLimiter(config.rate_limit_storage, redis_timeout_s=config.redis_timeout_s),
-        verify_every=config.verify_every,
-        stream_interval_s=config.stream_interval_s,
-        keep_alive_s=config.keep_alive_s,
-        max_body_bytes=config.max_body_bytes,
-        websocket_max_age_s=config.websocket_max_age_s,
-        send_timeout_s=config.send_timeout_s,
-        body_timeout_s=config.body_timeout_s,
+    store = open_store(
+        config.store,
+        config.store_ttl_s,
+        max_bytes=config.store_max_bytes,
+        redis_timeout_s=config.redis_timeout_s,
+    )
+    parts = GatewayParts(
+        engine=engine,
+        models=models,
+        store=store,
+        metrics=GatewayMetrics(registry),
+        meter=CpuCostMeter(registry),
+        keyring=keyring,
+        limiter=RateLimiter(config.rate_limit_storage, redis_timeout_s=config.redis_timeout_s),
         aliases=ModelAliases(models, config.aliases),
         prefix_states=PrefixStates(config.stateless_states, config.stateless_tokens),
         hosted=default_hosted_tools(config.hosted_backends) if hosted is None else hosted,
-        default_max_output_tokens=config.default_max_output_tokens,
     )
+    return ResponsePipeline(config, parts)

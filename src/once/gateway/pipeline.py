@@ -37,6 +37,7 @@ from once.gateway.admission.auth import KeyRing, Tenant
 from once.gateway.admission.capacity import CpuCostMeter
 from once.gateway.admission.ratelimit import RateLimiter
 from once.gateway.aliases import ModelAliases
+from once.gateway.config import GatewayConfig
 from once.gateway.final_save import FinalSave, saved_turn
 from once.gateway.front.keep_alive import KEEP_ALIVE, with_keep_alives
 from once.gateway.generation import EventBatch, Generation
@@ -89,48 +90,42 @@ class Admission:
     api: str = "responses"  # responses | chat | messages
 
 
+@dataclass(frozen=True)
+class GatewayParts:
+    """The collaborators of a gateway, built once by create_gateway (app.py)."""
+
+    engine: EngineClient
+    models: dict[str, ModelRuntime]
+    store: ResponseStore
+    metrics: GatewayMetrics
+    meter: CpuCostMeter
+    keyring: KeyRing
+    limiter: RateLimiter
+    aliases: ModelAliases
+    prefix_states: PrefixStates
+    hosted: HostedTools
+
+
 class ResponsePipeline:
-    def __init__(
-        self,
-        engine: EngineClient,
-        models: dict[str, ModelRuntime],
-        store: ResponseStore,
-        metrics: GatewayMetrics,
-        meter: CpuCostMeter,
-        keyring: KeyRing,
-        limiter: RateLimiter,
-        *,
-        verify_every: int = 32,
-        stream_interval_s: float = 0.002,
-        keep_alive_s: float = 10.0,
-        max_body_bytes: int = 32 * 1024 * 1024,
-        websocket_max_age_s: float = 3600.0,
-        send_timeout_s: float = 30.0,
-        body_timeout_s: float = 30.0,
-        aliases: ModelAliases | None = None,
-        prefix_states: PrefixStates | None = None,
-        hosted: HostedTools | None = None,
-        default_max_output_tokens: int = 0,
-    ):
-        self.engine = engine
-        self.default_max_output_tokens = default_max_output_tokens
-        self.models = models
-        self.aliases = ModelAliases(models) if aliases is None else aliases
-        self.hosted = hosted or HostedTools()
-        self.store = store
-        self.metrics = metrics
-        self.meter = meter
-        self.keyring = keyring
-        self.limiter = limiter
-        self.stream_interval_s = stream_interval_s
-        self.keep_alive_s = keep_alive_s
-        self.max_body_bytes = max_body_bytes
-        self.websocket_max_age_s = websocket_max_age_s
-        self.send_timeout_s = send_timeout_s
-        self.body_timeout_s = body_timeout_s
-        self.conversations = Conversations(store, prefix_states)
+    def __init__(self, config: GatewayConfig, parts: "GatewayParts"):
+        self.config = config
+        self.parts = parts
+        # The parts this class calls itself (create_gateway builds them from the config).
+        self.engine = parts.engine
+        self.models = parts.models
+        self.aliases = parts.aliases
+        self.hosted = parts.hosted
+        self.store = parts.store
+        self.metrics = parts.metrics
+        self.meter = parts.meter
+        self.keyring = parts.keyring
+        self.limiter = parts.limiter
+        self.stream_interval_s = config.stream_interval_s
+        self.keep_alive_s = config.keep_alive_s
+        self.default_max_output_tokens = config.default_max_output_tokens
+        self.conversations = Conversations(parts.store, parts.prefix_states)
         self.preparer = PromptPreparer(
-            self.conversations, metrics, self.meter.record, verify_every=verify_every
+            self.conversations, parts.metrics, parts.meter.record, verify_every=config.verify_every
         )
         self.num_inflight = 0
         self._verifications: set[asyncio.Task] = set()

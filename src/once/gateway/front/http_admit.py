@@ -10,8 +10,9 @@ from collections.abc import Callable
 
 from fastapi import Request
 
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_io import decode_json, read_body
-from once.gateway.pipeline import Admission, ResponsePipeline
+from once.gateway.pipeline import Admission
 from once.protocol.responses import ResponsesRequest
 
 TRANSPORT = "http"
@@ -22,7 +23,7 @@ def bearer(http: Request) -> str | None:
 
 
 async def admit_http(
-    pipeline: ResponsePipeline,
+    door: FrontDoor,
     http: Request,
     parse: Callable[[object], ResponsesRequest],
     *,
@@ -30,11 +31,11 @@ async def admit_http(
     authorization: Callable[[Request], str | None] = bearer,
     count_bytes: bool = True,
 ) -> Admission:
-    body = await read_body(http, pipeline.max_body_bytes)
+    body = await read_body(http, door.max_body_bytes)
     received_at = time.perf_counter()
     if count_bytes:
-        pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(body))
-    return await pipeline.admit(
+        door.metrics.received_bytes.labels(TRANSPORT).inc(len(body))
+    return await door.pipeline.admit(
         decode_json(body),
         authorization(http),
         transport=TRANSPORT,

@@ -19,10 +19,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from once.gateway.admission.capacity import LOAD_REPORT_HEADER
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_io import IGNORED_TOOLS_HEADER
 from once.gateway.front.slow_clients import DeadlineStreamingResponse
 from once.gateway.output import FAILED
-from once.gateway.pipeline import EventEncoder, Frame, ResponsePipeline
+from once.gateway.pipeline import EventEncoder, Frame
 from once.gateway.prepare import Prepared
 from once.protocol.errors import OnceError, error_from_dict
 
@@ -34,27 +35,29 @@ def no_frames(events: list) -> None:
 
 
 async def reply(
-    pipeline: ResponsePipeline,
+    door: FrontDoor,
     prepared: Prepared,
     encoder: EventEncoder,
     sse_frame: Frame,
     error_writer: Callable[[OnceError], Response],
     http: Request,
 ) -> Response:
-    headers = {LOAD_REPORT_HEADER: pipeline.load_report_header()}
+    headers = {LOAD_REPORT_HEADER: door.pipeline.load_report_header()}
     if prepared.request.ignored_tools:
         headers[IGNORED_TOOLS_HEADER] = ", ".join(prepared.request.ignored_tools)
     if prepared.request.stream:
         return DeadlineStreamingResponse(
-            pipeline.stream(prepared, encoder, TRANSPORT, sse_frame),
-            send_timeout_s=pipeline.send_timeout_s,
-            on_timeout=pipeline.metrics.client_timeouts.labels("send").inc,
+            door.pipeline.stream(prepared, encoder, TRANSPORT, sse_frame),
+            send_timeout_s=door.send_timeout_s,
+            on_timeout=door.metrics.client_timeouts.labels("send").inc,
             media_type="text/event-stream",
             headers={**headers, "cache-control": "no-cache"},
         )
 
     async def work_out() -> None:
-        async with aclosing(pipeline.stream(prepared, encoder, TRANSPORT, no_frames)) as batches:
+        async with aclosing(
+            door.pipeline.stream(prepared, encoder, TRANSPORT, no_frames)
+        ) as batches:
             async for _ in batches:
                 pass
 

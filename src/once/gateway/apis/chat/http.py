@@ -10,10 +10,10 @@ import json
 from fastapi import APIRouter, Request
 
 from once.gateway.apis.chat.events import ChatCompletionsEncoder
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_admit import admit_http
 from once.gateway.front.http_io import error_response
 from once.gateway.front.http_reply import reply
-from once.gateway.pipeline import ResponsePipeline
 from once.protocol.chat import include_usage, parse_chat_request
 
 
@@ -30,12 +30,13 @@ def _frame(event: dict | str | bytes) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
+def chat_routes(door: FrontDoor) -> APIRouter:
+    pipeline = door.pipeline
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
     async def create_chat_completion(http: Request):
-        admission = await admit_http(pipeline, http, parse_chat_request, api="chat")
+        admission = await admit_http(door, http, parse_chat_request, api="chat")
         prepared = await pipeline.prepare(admission)
         encoder = ChatCompletionsEncoder(
             prepared.request,
@@ -43,6 +44,6 @@ def chat_routes(pipeline: ResponsePipeline) -> APIRouter:
             prepared.created_at,
             include_usage(admission.body),
         )
-        return await reply(pipeline, prepared, encoder, sse_data, error_response, http)
+        return await reply(door, prepared, encoder, sse_data, error_response, http)
 
     return router

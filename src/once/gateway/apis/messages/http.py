@@ -11,10 +11,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from once.gateway.apis.messages.events import MessagesEncoder
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_admit import admit_http
 from once.gateway.front.http_reply import reply
 from once.gateway.front.sse import sse_chunk
-from once.gateway.pipeline import ResponsePipeline
 from once.protocol.errors import OnceError, RateLimitError
 from once.protocol.messages import parse_count_tokens_request, parse_messages_request
 
@@ -46,13 +46,12 @@ def authorization_of(http: Request) -> str | None:
     return f"Bearer {api_key}" if api_key else http.headers.get("authorization")
 
 
-def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
+def messages_routes(door: FrontDoor) -> APIRouter:
+    pipeline = door.pipeline
     router = APIRouter()
 
     async def admit(http: Request, parse=parse_messages_request):
-        return await admit_http(
-            pipeline, http, parse, api="messages", authorization=authorization_of
-        )
+        return await admit_http(door, http, parse, api="messages", authorization=authorization_of)
 
     @router.post("/v1/messages")
     async def create_message(http: Request):
@@ -61,7 +60,7 @@ def messages_routes(pipeline: ResponsePipeline) -> APIRouter:
         encoder = MessagesEncoder(
             prepared.request, prepared.response_id, len(prepared.built.prompt_ids)
         )
-        return await reply(pipeline, prepared, encoder, sse_chunk, anthropic_error_response, http)
+        return await reply(door, prepared, encoder, sse_chunk, anthropic_error_response, http)
 
     @router.post("/v1/messages/count_tokens")
     async def count_tokens(http: Request):

@@ -31,8 +31,8 @@ from fastapi import WebSocket, WebSocketDisconnect
 from websockets.exceptions import ConnectionClosed
 
 from once.gateway.apis.responses.http import responses_encoder
+from once.gateway.front.door import FrontDoor
 from once.gateway.front.http_io import decode_json
-from once.gateway.pipeline import ResponsePipeline
 from once.gateway.state.conversation import ConnectionCache
 from once.protocol.errors import (
     ConnectionLimitError,
@@ -79,8 +79,9 @@ def encode_frame(frame: dict) -> str:
 
 
 class _Connection:
-    def __init__(self, pipeline: ResponsePipeline, socket: WebSocket):
-        self.pipeline = pipeline
+    def __init__(self, door: FrontDoor, socket: WebSocket):
+        self.door = door
+        self.pipeline = door.pipeline
         self.socket = socket
         self.opened = time.monotonic()
         self.cache = ConnectionCache()
@@ -95,23 +96,22 @@ class _Connection:
         async with self.send_lock:
             for text in texts:
                 try:
-                    async with asyncio.timeout(self.pipeline.send_timeout_s):
+                    async with asyncio.timeout(self.door.send_timeout_s):
                         await self.socket.send_text(text)
                 except TimeoutError:
                     raise SlowReaderError from None
 
     async def drop_slow_reader(self) -> None:
-        self.pipeline.metrics.client_timeouts.labels("send").inc()
-        logger.warning("a WebSocket client took no frame for %.3g s", self.pipeline.send_timeout_s)
+        self.door.metrics.client_timeouts.labels("send").inc()
+        logger.warning("a WebSocket client took no frame for %.3g s", self.door.send_timeout_s)
         # The close frame may not get through either: the server's close timeout then
         # aborts the TCP connection.
         with contextlib.suppress(WebSocketDisconnect, ConnectionClosed, RuntimeError):
             await self.socket.close(code=1008)
 
     async def serve(self) -> None:
-        pipeline = self.pipeline
         try:
-            pipeline.keyring.authenticate(self.authorization)
+            self.door.keyring.authenticate(self.authorization)
         except OnceError as e:
             await self.send(error_frame(e))
             await self.socket.close(code=1008)
@@ -125,7 +125,7 @@ class _Connection:
             if text is None:
                 await self.send(error_frame(InvalidRequestError("binary frames are not supported")))
                 continue
-            pipeline.metrics.received_bytes.labels(TRANSPORT).inc(len(text.encode()))
+            self.door.metrics.received_bytes.labels(TRANSPORT).inc(len(text.encode()))
             try:
                 frame = self._decode(text)
             except OnceError as e:
@@ -136,9 +136,9 @@ class _Connection:
                 busy = ResponseInFlightError("a response is already in progress on this connection")
                 await self.send(error_frame(busy, stream_id))
                 continue
-            if time.monotonic() - self.opened > pipeline.websocket_max_age_s:
+            if time.monotonic() - self.opened > self.door.websocket_max_age_s:
                 limit = ConnectionLimitError(
-                    f"this connection is older than {pipeline.websocket_max_age_s:.0f} s; "
+                    f"this connection is older than {self.door.websocket_max_age_s:.0f} s; "
                     "open a new one (continue with previous_response_id)"
                 )
                 await self.send(error_frame(limit, stream_id))
@@ -204,8 +204,8 @@ class _Connection:
             return body
         if previous in self.cache.fields:
             return {**self.cache.fields[previous], **body}
-        tenant = self.pipeline.keyring.authenticate(self.authorization)
-        record = await self.pipeline.store.get(previous, tenant.name)
+        tenant = self.door.keyring.authenticate(self.authorization)
+        record = await self.door.store.get(previous, tenant.name)
         if record is None:
             raise PreviousResponseNotFoundError(
                 f"previous response with id {previous!r} not found", param="previous_response_id"
@@ -220,14 +220,14 @@ class _Connection:
             await asyncio.gather(self.inflight, return_exceptions=True)
 
 
-async def serve_connection(pipeline: ResponsePipeline, socket: WebSocket) -> None:
+async def serve_connection(door: FrontDoor, socket: WebSocket) -> None:
     await socket.accept()
-    connection = _Connection(pipeline, socket)
-    pipeline.metrics.websocket_connections.inc()
+    connection = _Connection(door, socket)
+    door.metrics.websocket_connections.inc()
     try:
         await connection.serve()
     except WebSocketDisconnect:
         pass
     finally:
         await connection.close()
-        pipeline.metrics.websocket_connections.dec()
+        door.metrics.websocket_connections.dec()
