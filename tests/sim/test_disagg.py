@@ -8,7 +8,7 @@ from once.router.policies import ReplicaView, RequestView
 from once.sim import main
 from once.sim.cluster import Cluster
 from once.sim.compare import Scenario
-from once.sim.disagg.compare import PDGrid, compare_pd
+from once.sim.disagg.compare import PDGrid, compare_pd, split_windows
 from once.sim.disagg.transfer import PDConfig
 from once.sim.latency import LatencyHistogram
 from tests.sim.conftest import RoundRobinStandIn, make_profile, make_request
@@ -130,6 +130,26 @@ def test_compare_pd_reports_the_bar_ratios_against_colocated(tmp_path):
     for key in ("pd_goodput_ratio_default", "pd_goodput_ratio_tight", "pd_p99_itl_ratio"):
         assert report[key] > 0
     assert report["colocated"]["itl_p99_s"] >= report["colocated"]["itl_p50_s"]
+    # Chosen on the first half of the trace, reported on the second.
+    choice, evaluation = report["choice_window"], report["evaluation_window"]
+    assert choice["num_requests"] + evaluation["num_requests"] == len(requests)
+    assert choice["num_sessions"] == 30 and evaluation["num_sessions"] == 30
+    assert report["choice"]["colocated"] != report["colocated"]
+    assert report["choice"]["pd_goodput_ratio_default"] > 0
+
+
+def test_windows_split_sessions_whole_and_start_the_second_at_zero():
+    first = [make_request(f"a{i}", float(i), (i,)) for i in range(4)]
+    follow = [
+        make_request("a0-2", 99.0, (0, 9), after="a0"),
+        make_request("a3-2", 0.0, (3, 9), after="a3"),
+    ]
+    choice, evaluation = split_windows(first + follow)
+    assert {r.request_id for r in choice} == {"a0", "a1", "a0-2"}  # follow-ups go along
+    assert {r.request_id for r in evaluation} == {"a2", "a3", "a3-2"}
+    assert sorted(r.arrival_s for r in evaluation if r.after is None) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="two sessions"):
+        split_windows(first[:1])
 
 
 def test_cli_pd_json_and_bad_splits(tmp_path, capsys):
