@@ -176,3 +176,17 @@ def test_a_stack_under_the_shared_bound_is_reported():
     impossible = {"once": {"s1": [{"computed_tokens": 2}, {"computed_tokens": 1}]}}
     checked = shared_ideal(plans, impossible)
     assert not checked["holds"] and "under the bound 4" in checked["beaten"][0]
+
+
+def test_a_disaggregated_stack_is_held_to_the_bound_with_its_prefill_engines_work():
+    from once.bench.replay.checks import check_disaggregated_bound
+
+    plans = [("a", _Plan("s1", [([1, 2, 3], [9]), ([1, 2, 3, 9, 4], [8])]))]
+    # The decode engine computed 1 token a call: the prefill engine did the rest.
+    records = {"once/pd": {"s1": [{"computed_tokens": 1}, {"computed_tokens": 1}]}}
+    bound = shared_ideal(plans, records, prefill_elsewhere=("once/pd",))
+    assert bound["holds"] and "once/pd" not in bound["computed"]
+    check_disaggregated_bound(bound, {"once/pd": (2, 2)})
+    assert bound["holds"] and bound["computed"]["once/pd"]["total"] == 4
+    check_disaggregated_bound(bound, {"once/pd": (2, 1)})  # a prefill count lost
+    assert not bound["holds"] and "with its prefill engines" in bound["beaten"][-1]

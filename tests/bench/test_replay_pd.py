@@ -33,6 +33,11 @@ def test_split_calls_are_decoded_from_the_prefill_engines_kv(pd_report):
     assert split["computed_tokens"] < colocated["computed_tokens"]
     assert split["itl_p50_s"] is not None and colocated["itl_p99_s"] is not None
     assert "shared_kv" not in section  # only with --pd-shared-kv
+    # The ledger's checks hold with the prefill engine's work counted (a run exits 1 if not).
+    bound = pd_report["shared_ideal"]
+    assert bound["holds"], bound["beaten"]
+    assert bound["computed"][DISAGGREGATED]["of_it_prefill_engines"] > 0
+    assert pd_report["ledger_invariants"]["holds"]
 
 
 def test_bad_pd_flags_are_refused():

@@ -42,8 +42,14 @@ def ledger_invariants(
     }
 
 
-def shared_ideal(plans, records: dict[str, dict[str, list[dict]]]) -> dict:
-    """plans: (source folder, SessionPlan) pairs; only the calls every stack ran count."""
+def shared_ideal(
+    plans, records: dict[str, dict[str, list[dict]]], prefill_elsewhere: tuple[str, ...] = ()
+) -> dict:
+    """plans: (source folder, SessionPlan) pairs; only the calls every stack ran count.
+
+    `prefill_elsewhere` names stacks whose calls' computed tokens leave out what prefill
+    engines computed for them (disaggregated serving): their per-call counts are not held
+    to the bound; `check_disaggregated_bound` checks their total with the prefill side's."""
     groups: dict[str, list[tuple[list[int], list[int]]]] = {}
     for folder, plan in plans:
         ran = min(len(sessions.get(plan.session_id, ())) for sessions in records.values())
@@ -54,6 +60,8 @@ def shared_ideal(plans, records: dict[str, dict[str, list[dict]]]) -> dict:
     folder_of = {plan.session_id: folder for folder, plan in plans}
     computed: dict[str, dict[str, int]] = {}  # stack -> folder (and "total") -> tokens
     for name, sessions in records.items():
+        if name in prefill_elsewhere:
+            continue
         per_folder = computed.setdefault(name, {"total": 0})
         for session_id, rows in sessions.items():
             tokens = sum(row["computed_tokens"] for row in rows)
@@ -67,6 +75,20 @@ def shared_ideal(plans, records: dict[str, dict[str, list[dict]]]) -> dict:
         if folder in bound and tokens < bound[folder]
     ]
     return {"tokens": bound, "computed": computed, "holds": not beaten, "beaten": beaten}
+
+
+def check_disaggregated_bound(bound: dict, work: dict[str, tuple[int, int]]) -> None:
+    """A disaggregated variant's whole prompt work against the bound's total. `work`: for
+    each such stack, (its decode engines' per-call computed tokens, what its prefill
+    engines computed)."""
+    for name, (decode, prefill) in work.items():
+        bound["computed"][name] = {"total": decode + prefill, "of_it_prefill_engines": prefill}
+        if decode + prefill < bound["tokens"]["total"]:
+            bound["beaten"].append(
+                f"{name} computed {decode + prefill} prompt tokens with its prefill engines, "
+                f"under the bound {bound['tokens']['total']}"
+            )
+            bound["holds"] = False
 
 
 def run_description(args, tiny: str) -> dict:

@@ -50,7 +50,12 @@ from once.bench.replay.baseline_session import (
     kv_cache_gib_for,
     resolve_session_mode,
 )
-from once.bench.replay.checks import ledger_invariants, run_description, shared_ideal
+from once.bench.replay.checks import (
+    check_disaggregated_bound,
+    ledger_invariants,
+    run_description,
+    shared_ideal,
+)
 from once.bench.replay.cpu import add_cpu_seconds, cpu_line
 from once.bench.replay.failures import (
     add_failures,
@@ -71,8 +76,11 @@ from once.bench.replay.kv_pressure import (
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
 from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.pd import (
+    DISAGGREGATED,
+    SHARED_KV,
     add_pd_arguments,
     check_pd_args,
+    disaggregated_work,
     format_pd_section,
     parse_pd,
     pd_observations,
@@ -349,6 +357,7 @@ async def run_replay(sessions, args) -> dict:
         report["kv_pressure"] = kv_pressure_section(plans, records, counters, block_size, args)
     if pd_observed:
         report["pd"] = pd_section(records, pd_observed, args.pd, args.pd_transport)
+        check_disaggregated_bound(report["shared_ideal"], disaggregated_work(report["pd"]))
     if failures:
         add_failures(report, failures, counts, measured)
     return report
@@ -460,7 +469,7 @@ def build_report(plans: list[tuple[str, SessionPlan]], records, counters, block_
         for name in STACKS
         for ledger in ledgers[name].values()
     )
-    bound = shared_ideal(plans, records)
+    bound = shared_ideal(plans, records, prefill_elsewhere=(DISAGGREGATED, SHARED_KV))
     total_row = {**compare(total["once"], total["naive"]), **total}
     for folder, row in [*sources.items(), ("total", total_row)]:
         row["shared_ideal_tokens"] = bound["tokens"][folder]

@@ -280,3 +280,15 @@ def format_pd_section(section: dict) -> str:
             f"{shared['prefill_shared_hit_blocks']} prefix blocks from it"
         )
     return "\n".join(lines)
+
+
+def disaggregated_work(section: dict) -> dict[str, tuple[int, int]]:
+    """Each disaggregated variant's (decode engines' computed tokens, prefill engines')."""
+    work = {}
+    for name, prefill in (
+        (DISAGGREGATED, section.get("prefill_computed_tokens")),
+        (SHARED_KV, section.get("shared_kv", {}).get("prefill_computed_tokens")),
+    ):
+        if name in section["variants"] and prefill is not None:
+            work[name] = (section["variants"][name]["computed_tokens"], prefill)
+    return work
