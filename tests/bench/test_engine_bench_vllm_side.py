@@ -160,3 +160,23 @@ def test_peer_figures_are_once_over_the_peer_on_the_same_measurement():
     # A run without the peer has no figure rather than a made-up one.
     del results["vllm"], results["llama_cpp"]
     assert report.peer_figures(results)["vllm_tok_s_ratio_c1"] is None
+
+
+def test_a_child_the_bench_ran_is_not_other_load():
+    import subprocess
+    import sys
+
+    from once.bench.engine_bench import report
+
+    start = report.cpu_snapshot()
+    # A peer's server stand-in: a child that burns CPU for a while and ends.
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt=time.process_time()\nwhile time.process_time()-t<0.5: pass",
+        ],
+        check=True,
+    )  # noqa: E501
+    end = report.cpu_snapshot()
+    assert end[2] - start[2] >= 0.45  # its CPU seconds are the bench's own

@@ -108,7 +108,7 @@ def bars(figures: dict) -> dict:
 
 
 def cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, machine busy CPU s, this process's CPU s), for `other_cpu_load`."""
+    """(wall s, machine busy CPU s, the bench's own CPU s), for `other_cpu_load`."""
     busy = 0.0
     try:
         with open("/proc/stat") as f:
@@ -116,8 +116,13 @@ def cpu_snapshot() -> tuple[float, float, float]:
         busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # - idle, iowait
     except (OSError, ValueError, IndexError):
         pass
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+    # This process and its children once they ended (a peer's server the bench started and
+    # stopped): a peer's work is the bench's own, not other load.
+    own = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        own += usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), busy, own
 
 
 def other_cpu_load(start: tuple, end: tuple) -> float | None:
