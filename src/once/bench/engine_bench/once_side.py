@@ -130,50 +130,30 @@ class SessionShape:
         )
 
 
-def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: str) -> dict:
-    """Play the session turn by turn, one request at a time, and keep the ledger.
+class SessionPrompts:
+    """The session's prompts, turn by turn, for every engine measured: turn 1 is the
+    system prompt plus the task, all of it new; turn k > 1 is turn k-1's prompt + its
+    output + `new_tokens` fresh ids (new = output + fresh). The fresh ids come from one
+    seeded stream, so every run sees the same text."""
 
-    Turn 1 is the system prompt plus the task, all of it new. Turn k > 1 is turn k-1's
-    prompt + its output + `new_tokens` fresh ids: new = output + fresh. The fresh ids
-    come from one seeded stream, so runs with and without the cache see the same text.
+    def __init__(self, shape: SessionShape, vocab_size: int, seed: str):
+        self.shape, self.vocab_size = shape, vocab_size
+        self.rng = random.Random(seed)
+        self.prompt = random_ids(self.rng, shape.system_tokens + shape.task_tokens, vocab_size)
+        self.num_new = len(self.prompt)
 
-    With the cache a later turn computes its fresh ids plus the tail of the previous turn
-    that fills no whole block (at least the last output token, sampled but never run
-    through the model): between fresh + 1 and fresh + block_size tokens. The previous
-    output counts as new yet its KV was computed while decoding it, so computed/new can
-    sit a little below 1.
-    """
-    rng = random.Random(seed)
-    prompt = random_ids(rng, shape.system_tokens + shape.task_tokens, vocab_size)
-    num_new = len(prompt)
-    output: list[int] = []
-    turns = []
-    started = time.perf_counter()
-    for turn in range(1, shape.num_turns + 1):
-        if turn > 1:
-            fresh = random_ids(rng, shape.new_tokens, vocab_size)
-            prompt = prompt + output + fresh
-            num_new = len(output) + len(fresh)
-        request = GenerateRequest(f"turn-{turn}", tuple(prompt), greedy(shape.output_tokens))
-        deltas = engine.generate([request])[request.request_id]
-        output = [t for d in deltas for t in d.token_ids]
-        metrics = deltas[-1].metrics
-        assert metrics is not None  # the finished delta carries them
-        turns.append(
-            {
-                "turn": turn,
-                "prompt_tokens": len(prompt),
-                "new_tokens": num_new,
-                "computed_tokens": metrics.num_computed_tokens,
-                "cached_tokens": metrics.num_cached_tokens,
-                "ttft_ms": 1000 * metrics.ttft_s,
-                "e2e_ms": 1000 * metrics.e2e_s,
-            }
-        )
+    def advance(self, output: list[int]) -> None:
+        fresh = random_ids(self.rng, self.shape.new_tokens, self.vocab_size)
+        self.prompt = self.prompt + output + fresh
+        self.num_new = len(output) + len(fresh)
+
+
+def session_summary(turns: list[dict], prefix_caching: bool, started: float) -> dict:
+    """The session's ledger from its turns (prompt, new, computed, cached, TTFT each)."""
     total_new = sum(t["new_tokens"] for t in turns)
     total_computed = sum(t["computed_tokens"] for t in turns)
     return {
-        "prefix_caching": engine.config.enable_prefix_caching,
+        "prefix_caching": prefix_caching,
         "elapsed_s": time.perf_counter() - started,
         "total_prompt_tokens": sum(t["prompt_tokens"] for t in turns),
         "total_new_tokens": total_new,
@@ -183,3 +163,40 @@ def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: s
         "ttft_ratio_last_first": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"],
         "turns": turns,
     }
+
+
+def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: str) -> dict:
+    """Play the session (SessionPrompts) turn by turn, one request at a time, and keep the
+    ledger.
+
+    With the cache a later turn computes its fresh ids plus the tail of the previous turn
+    that fills no whole block (at least the last output token, sampled but never run
+    through the model): between fresh + 1 and fresh + block_size tokens. The previous
+    output counts as new yet its KV was computed while decoding it, so computed/new can
+    sit a little below 1.
+    """
+    prompts = SessionPrompts(shape, vocab_size, seed)
+    output: list[int] = []
+    turns = []
+    started = time.perf_counter()
+    for turn in range(1, shape.num_turns + 1):
+        if turn > 1:
+            prompts.advance(output)
+        prompt = prompts.prompt
+        request = GenerateRequest(f"turn-{turn}", tuple(prompt), greedy(shape.output_tokens))
+        deltas = engine.generate([request])[request.request_id]
+        output = [t for d in deltas for t in d.token_ids]
+        metrics = deltas[-1].metrics
+        assert metrics is not None  # the finished delta carries them
+        turns.append(
+            {
+                "turn": turn,
+                "prompt_tokens": len(prompt),
+                "new_tokens": prompts.num_new,
+                "computed_tokens": metrics.num_computed_tokens,
+                "cached_tokens": metrics.num_cached_tokens,
+                "ttft_ms": 1000 * metrics.ttft_s,
+                "e2e_ms": 1000 * metrics.e2e_s,
+            }
+        )
+    return session_summary(turns, engine.config.enable_prefix_caching, started)

@@ -26,7 +26,12 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from once.bench.engine_bench.once_side import SessionShape, greedy
+from once.bench.engine_bench.once_side import (
+    SessionPrompts,
+    SessionShape,
+    greedy,
+    session_summary,
+)
 from once.bench.engine_bench.workloads import random_ids
 from once.fleet.vllm_server import VllmSpec, vllm_missing_reason, vllm_servers
 from once.protocol.engine import GenerateRequest
@@ -107,17 +112,14 @@ async def run_session(
 ) -> dict:
     """once_side.run_session's ledger, vLLM's counters (`read_metrics`: its /metrics) for
     the computed tokens."""
-    rng = random.Random(seed)
-    prompt = random_ids(rng, shape.system_tokens + shape.task_tokens, vocab)
-    num_new = len(prompt)
+    prompts = SessionPrompts(shape, vocab, seed)
     output: list[int] = []
     turns = []
     started = time.perf_counter()
     for turn in range(1, shape.num_turns + 1):
         if turn > 1:
-            fresh = random_ids(rng, shape.new_tokens, vocab)
-            prompt = prompt + output + fresh
-            num_new = len(output) + len(fresh)
+            prompts.advance(output)
+        prompt = prompts.prompt
         before = await read_metrics()
         request = GenerateRequest(f"vllm-turn-{turn}", tuple(prompt), greedy(shape.output_tokens))
         run = await _run_one(client, request)
@@ -127,26 +129,14 @@ async def run_session(
             {
                 "turn": turn,
                 "prompt_tokens": len(prompt),
-                "new_tokens": num_new,
+                "new_tokens": prompts.num_new,
                 "computed_tokens": counted.prefix_cache_queries - counted.prefix_cache_hits,
                 "cached_tokens": counted.prefix_cache_hits,
                 "ttft_ms": 1000 * run["ttft_s"],
                 "e2e_ms": 1000 * (run["finished_at"] - run["started_at"]),
             }
         )
-    total_new = sum(t["new_tokens"] for t in turns)
-    total_computed = sum(t["computed_tokens"] for t in turns)
-    return {
-        "prefix_caching": True,
-        "elapsed_s": time.perf_counter() - started,
-        "total_prompt_tokens": sum(t["prompt_tokens"] for t in turns),
-        "total_new_tokens": total_new,
-        "total_computed_tokens": total_computed,
-        "total_cached_tokens": sum(t["cached_tokens"] for t in turns),
-        "computed_over_new": total_computed / total_new,
-        "ttft_ratio_last_first": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"],
-        "turns": turns,
-    }
+    return session_summary(turns, True, started)
 
 
 def server_spec(
