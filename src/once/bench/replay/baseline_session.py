@@ -19,6 +19,7 @@ less).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 from once.bench.replay.plan import plan_session
@@ -103,9 +104,26 @@ def add_session_mode_arguments(parser) -> None:
     )
     parser.add_argument(
         "--baseline",
-        choices=["transformers"],
-        help="also run transformers with manual prefix reuse on the same calls (same run)",
+        type=parse_baselines,
+        help="a comma list of named baselines on the same calls, same run: transformers "
+        "(with manual prefix reuse), vllm (vLLM's OpenAI server, stateless Chat "
+        "Completions, after once's stacks; the JSON gains vs_vllm)",
     )
+
+
+BASELINES = ("transformers", "vllm")
+
+
+def parse_baselines(text: str) -> list[str]:
+    """`--baseline transformers,vllm` -> ["transformers", "vllm"]."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in BASELINES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(
+            f"not a baseline: {', '.join(unknown) or repr(text)} (a comma list of "
+            f"{', '.join(BASELINES)})"
+        )
+    return list(dict.fromkeys(names))
 
 
 def resolve_session_mode(args, tiny: str) -> None:

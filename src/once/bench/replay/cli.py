@@ -26,6 +26,10 @@ and emptied between stacks; `--vllm-kv-mib` sizes each one's KV cache (default: 
 request of --max-model-len, +10%). The JSON's `routing` section gains vLLM's own counters
 per policy and `vllm_live: true`.
 
+Named baselines (`--baseline transformers,vllm`): transformers with prefix reuse
+(baseline.py) before the stacks; vLLM's own OpenAI server after them, the calls as
+their clients sent them (vllm_baseline.py), compared per source in `vs_vllm` (vs_vllm.py).
+
 Disaggregation (`--pd P:D`): two more once stacks, colocated over P + D engine processes
 and over P prefill and D decode engines; the JSON gains a `pd` section (pd.py).
 """
@@ -105,7 +109,9 @@ from once.bench.replay.stacks import (
     stacks_for,
 )
 from once.bench.replay.traffic import progress_bars, replay_sessions
+from once.bench.replay.vllm_baseline import VLLM, check_vllm_baseline, run_vllm_column
 from once.bench.replay.vllm_pool import open_vllm_pool
+from once.bench.replay.vs_vllm import add_vs_vllm, summary_lines
 from once.router.policies import POLICIES
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -219,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
         return 2
     problem = check_routing_args(args) or check_kv_pressure_args(args) or check_pd_args(args)
+    problem = problem or check_vllm_baseline(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     elif report["sessions"]:
         print_summary(report)
         print_second_bar(report, sys.stdout)
+        print(*summary_lines(report), sep="\n")
         if "kv_pressure" in report:
             print_kv_pressure(report["kv_pressure"], sys.stdout)
         if "pd" in report:
@@ -287,8 +295,8 @@ async def run_replay(sessions, args) -> dict:
                 plans.append((source_folder, plan))
             else:
                 _log(f"skip {session.session_id}: its first call does not fit")
-        baseline = None
-        if getattr(args, "baseline", None) == "transformers":  # first: its figures are logged early
+        baseline, baselines = None, getattr(args, "baseline", None) or ()
+        if "transformers" in baselines:  # first: its figures are logged early
             baseline = run_transformers_baseline(folder, [plan for _, plan in plans], _log)
         records: dict[str, dict[str, list[dict]]] = {}
         counters, traffic, routing_stats, pd_observed = {}, {}, {}, {}
@@ -325,6 +333,12 @@ async def run_replay(sessions, args) -> dict:
                         if run in pd_stacks:
                             pd_observed[name] = await pd_observations(stack)
                         block_size = stack.block_size
+        vllm_column = None
+        if VLLM in baselines:  # once's stacks have closed: the two never share the cores
+            vllm_column = await run_vllm_column(
+                folder, plans, runtime, kv_cache_gib=args.kv_cache_gib,
+                max_model_len=args.max_model_len, log=_log,
+            )  # fmt: skip
     failures = collect(traffic)
     if failures:  # the ledger over the calls every stack completed (failures.py)
         measured = records
@@ -345,6 +359,8 @@ async def run_replay(sessions, args) -> dict:
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
+    if vllm_column is not None:
+        add_vs_vllm(report, vllm_column)
     if getattr(args, "engine", "once") == "vllm":
         report["vllm_live"] = True
     if getattr(args, "api", APIS[0]) != APIS[0]:

@@ -124,7 +124,7 @@ class VllmFleet:
     def replica_pids(self) -> list[int]:
         """Every process of every server: vLLM computes in an engine-core child process."""
         sessions = {s.process.pid for s in self.pool.servers if s.process is not None}
-        return [pid for pid, session in _sessions_of_processes() if session in sessions]
+        return [pid for pid, session in sessions_of_processes() if session in sessions]
 
     async def grown_per_server(self) -> list[VllmMetrics]:
         """vLLM's counters per server, their growth since the stack opened. A server that
@@ -205,7 +205,7 @@ class VllmFleet:
         }
 
 
-def _sessions_of_processes() -> list[tuple[int, int]]:
+def sessions_of_processes() -> list[tuple[int, int]]:
     """(pid, session id) of every process this one can see (Linux /proc)."""
     pairs = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
