@@ -183,7 +183,7 @@ def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
         query 1      [ x x x x x x x x x ]  [ x x . . ]   part 2: is_causal=True
         query T-1    [ x x x x x x x x x ]  [ x x x x ]   (top-left aligned, as SDPA's)
 
-        lse = logaddexp(lse_1, lse_2);  out = out_1 e^(lse_1 - lse) + out_2 e^(lse_2 - lse)
+        out = (out_1 e^lse_1 + out_2 e^lse_2) / (e^lse_1 + e^lse_2)
 
     Neither call reads a mask (SDPA turns a boolean one into a float tensor of T x context
     on every call, then adds it to every score) and part 2 skips the tiles above the
@@ -200,13 +200,29 @@ def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
         return prefill_attention_masked(q, k, v, k_flat, v_flat, chunk)
     k_prefix, v_prefix = (chunk.gather_prefix(flat) for flat in (k_flat, v_flat))
     kph, vph = (t.transpose(0, 1).unsqueeze(0) for t in (k_prefix, v_prefix))
+    out_1, lse_1 = _prefix_part(q, kph, vph)
     # The op takes grouped K/V heads as they are (n_heads a multiple of n_kv_heads).
-    out_1, lse_1 = _FLASH_WITH_LSE(qh, kph, vph, 0.0, False)
     out_2, lse_2 = _FLASH_WITH_LSE(qh, kh, vh, 0.0, True)
-    lse = torch.logaddexp(lse_1, lse_2)  # (1, n_heads, T)
-    o = out_1 * (lse_1 - lse).exp_().unsqueeze(-1)
-    o.addcmul_(out_2, (lse_2 - lse).exp_().unsqueeze(-1))
-    return o.squeeze(0).transpose(0, 1)
+    # out = (out_1 e^lse_1 + out_2 e^lse_2) / (e^lse_1 + e^lse_2), one pass over the rows:
+    # out_2 + w (out_1 - out_2) with w = sigmoid(lse_1 - lse_2).
+    weight = torch.sigmoid(lse_1 - lse_2).unsqueeze(-1)  # (1, n_heads, T, 1)
+    return torch.lerp(out_2, out_1, weight).squeeze(0).transpose(0, 1)
+
+
+def _prefix_part(q, k_prefix, v_prefix):
+    """The chunk's queries against the prefix, no mask: out (1, n_heads, T, D) and lse.
+
+    Every query sees the whole prefix, so the queries of the heads that share a K/V head
+    can go as the rows of that one head: (1, n_kv_heads, group * T, D). The op then reads
+    each K/V tile once for all of them rather than once per query head."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_prefix.shape[1]
+    group = num_heads // num_kv_heads
+    # (T, H, D) -> (H, T, D): head h = kv_head * group + g, rows of a K/V head adjacent.
+    folded = q.transpose(0, 1).reshape(1, num_kv_heads, group * num_tokens, head_dim)
+    out, lse = _FLASH_WITH_LSE(folded, k_prefix, v_prefix, 0.0, False)
+    out = out.reshape(1, num_heads, num_tokens, head_dim)
+    return out, lse.reshape(1, num_heads, num_tokens)
 
 
 def prefill_attention_masked(q, k, v, k_flat, v_flat, chunk: PrefillChunk):
