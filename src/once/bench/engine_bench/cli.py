@@ -17,7 +17,6 @@ from pathlib import Path
 from once.bench.engine_bench import (
     contention,
     hf_baseline,
-    llama_cpp_side,
     once_side,
     peers,
     prefill_attention,
@@ -144,17 +143,16 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
             del engine
             gc.collect()
 
+    workload |= {"num_output": options.output_tokens, "decode_steps": options.decode_steps}
+    peer_session = shape if shape.num_turns else None
     llama = None
     if "llamacpp" in options.baselines:
-        llama = llama_cpp_side.measure(
-            options.model,
-            random_prompts(1, options.prompt_tokens, vocab, f"{options.seed}/llama-cpp")[0],
-            options.output_tokens,
-            options.num_threads,
-        )
+        llama = peers.run_llamacpp(
+            folder, options.num_threads, max_model_len, workload, peer_session, vocab,
+            f"{options.seed}/session", log,
+        )  # fmt: skip
     vllm = None
     if "vllm" in options.baselines:
-        workload |= {"num_output": options.output_tokens, "decode_steps": options.decode_steps}
         vllm = peers.run_vllm(
             folder,
             options.num_threads,
@@ -162,7 +160,7 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
             max_model_len,
             not options.vllm_compiled,
             workload,
-            shape if shape.num_turns else None,
+            peer_session,
             vocab,
             f"{options.seed}/session",
             log,
@@ -213,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     d, s = BenchOptions(), once_side.SessionShape()
     p = argparse.ArgumentParser(
         prog="once bench engine",
-        description="once engine vs transformers (and llama.cpp if importable), one run.",
+        description="once engine vs transformers, llama.cpp and vLLM, one run.",
     )
     p.add_argument("--model", default=d.model)
     p.add_argument("--concurrency", type=_int_list, default=d.concurrency, help="e.g. 1,8,32")
@@ -235,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--baseline",
         type=peers.parse_baselines,
         default=peers.DEFAULT_BASELINES,
-        help="peers to measure, comma list of transformers, llamacpp (skipped when "
-        "llama_cpp is not importable), vllm (its CPU server from `make vllm`)",
+        help="peers to measure, comma list of transformers, llamacpp (llama-server from "
+        "`make llamacpp`, at f32, Q8_0 and Q4_1), vllm (its CPU server from `make vllm`)",
     )
     p.add_argument(
         "--vllm-compiled",

@@ -10,11 +10,11 @@ precision a greedy decode should agree, and where it does not the report says ho
 import argparse
 from pathlib import Path
 
-from once.bench.engine_bench import vllm_side
+from once.bench.engine_bench import llama_cpp_side, vllm_side
 from once.bench.engine_bench.once_side import SessionShape
 
 BASELINES = ("transformers", "llamacpp", "vllm")
-DEFAULT_BASELINES = ("transformers", "llamacpp")
+DEFAULT_BASELINES = ("transformers", "llamacpp")  # llama.cpp is skipped until built
 
 
 def parse_baselines(text: str) -> tuple[str, ...]:
@@ -76,12 +76,35 @@ def run_vllm(
         seed,
         log,
     )
-    if result.get("status") != "ok":
-        return result
-    for c, row in result["throughput"].items():
-        once_outputs = workload["once_outputs"].get(c)
-        if once_outputs is not None:
-            row["greedy_agreement"] = output_agreement(once_outputs, row.pop("outputs"))
-        else:
-            row.pop("outputs", None)
+    if result.get("status") == "ok":
+        check_outputs(result, workload)
     return result
+
+
+def run_llamacpp(
+    folder: Path,
+    num_threads: int,
+    max_model_len: int,
+    workload: dict,
+    session: SessionShape | None,
+    vocab: int,
+    seed: str,
+    log,
+) -> dict:
+    """llama.cpp's rows (f32, q8_0, q4_1) on `workload`, each row's greedy outputs checked
+    against once's (equal where the precision is: the f32 row)."""
+    result = llama_cpp_side.measure(
+        folder, num_threads, max_model_len, workload, session, vocab, seed, log
+    )
+    for row in (result.get("rows") or {}).values():
+        check_outputs(row, workload)
+    return result
+
+
+def check_outputs(peer: dict, workload: dict) -> None:
+    """Each concurrency's outputs (popped) -> their agreement with once's on that prompt."""
+    for c, row in peer["throughput"].items():
+        once_outputs = workload["once_outputs"].get(c)
+        peer_outputs = row.pop("outputs", None)
+        if once_outputs is not None and peer_outputs is not None:
+            row["greedy_agreement"] = output_agreement(once_outputs, peer_outputs)

@@ -21,6 +21,7 @@ BARS = {
     "vllm_tok_s_ratio_c1": (">=", 1.0),
     "vllm_tok_s_ratio_c32": (">=", 1.0),
     "vllm_ttft_ratio_turn20": ("<=", 0.8),
+    # llama.cpp's f32 row: the same weights at the same precision as once's.
     "llamacpp_tok_s_ratio_c1": (">=", 1.0),
 }
 
@@ -58,40 +59,53 @@ def headline(results: dict) -> dict:
 
 
 def peer_figures(results: dict) -> dict:
-    """once over vLLM and llama.cpp: throughput per concurrency (higher is better for
-    once), decode step ms and turn-20 TTFT (lower is better for once)."""
+    """once over each serving peer: vLLM (`vllm_*`), llama.cpp's like-for-like f32 row
+    (`llamacpp_*`) and its quantized rows (`llamacpp_q8_0_*`, `llamacpp_q4_1_*`)."""
+    figures = peer_ratios("vllm", results, results.get("vllm") or {})
+    figures["vllm_session_computed_over_new"] = (
+        (results.get("vllm") or {}).get("session") or {}
+    ).get("computed_over_new")
+    llama = results.get("llama_cpp") or {}
+    rows = llama.get("rows") or {}
+    for precision, row in rows.items():
+        prefix = "llamacpp" if precision == llama.get("like_for_like") else f"llamacpp_{precision}"
+        figures |= peer_ratios(prefix, results, row)
+    if not rows:
+        figures |= peer_ratios("llamacpp", results, {})
+    return figures
+
+
+def peer_ratios(prefix: str, results: dict, peer: dict) -> dict:
+    """once / peer: output tok/s per concurrency (higher is better for once), decode step ms
+    at the short and the long context and turn-20 TTFT (lower is better for once)."""
     once = results["once"]
-    vllm = results.get("vllm") or {}
     figures = {}
     for c, row in once["throughput"].items():
-        peer = vllm.get("throughput", {}).get(c, {})
-        figures[f"vllm_tok_s_ratio_c{c}"] = _ratio(row["output_tok_s"], peer.get("output_tok_s"))
+        other = peer.get("throughput", {}).get(c, {})
+        figures[f"{prefix}_tok_s_ratio_c{c}"] = _ratio(
+            row["output_tok_s"], other.get("output_tok_s")
+        )
     # The bar's name is the default run's (c32), as throughput_ratio_c32's: the most
     # concurrent requests measured.
     max_c = max(once["throughput"], key=int, default=None)
-    figures["vllm_tok_s_ratio_c32"] = figures.get(f"vllm_tok_s_ratio_c{max_c}")
-    decode = vllm.get("decode", {})
+    figures[f"{prefix}_tok_s_ratio_c32"] = figures.get(f"{prefix}_tok_s_ratio_c{max_c}")
+    decode = peer.get("decode", {})
     once_c1 = once["throughput"].get("1", {})
     short = (results.get("options") or {}).get("prompt_tokens")
-    figures["vllm_step_ratio_b1"] = _ratio(
+    figures[f"{prefix}_step_ratio_b1"] = _ratio(
         once_c1.get("decode_step_ms"), decode.get(str(short), {}).get("decode_step_ms")
     )
     once_long = once.get("long_context") or {}
-    figures["vllm_step_ratio_b1_ctx_long"] = _ratio(
+    figures[f"{prefix}_step_ratio_b1_ctx_long"] = _ratio(
         once_long.get("decode_step_ms"),
         decode.get(str(once_long.get("context_tokens")), {}).get("decode_step_ms"),
     )
     once_turns = ((results.get("session") or {}).get("cached") or {}).get("turns") or []
-    vllm_turns = (vllm.get("session") or {}).get("turns") or []
-    figures["vllm_ttft_ratio_turn20"] = (
-        _ratio(once_turns[-1]["ttft_ms"], vllm_turns[-1]["ttft_ms"])
-        if once_turns and vllm_turns
+    peer_turns = (peer.get("session") or {}).get("turns") or []
+    figures[f"{prefix}_ttft_ratio_turn20"] = (
+        _ratio(once_turns[-1]["ttft_ms"], peer_turns[-1]["ttft_ms"])
+        if once_turns and peer_turns
         else None
-    )
-    figures["vllm_session_computed_over_new"] = (vllm.get("session") or {}).get("computed_over_new")
-    llama = results.get("llama_cpp") or {}
-    figures["llamacpp_tok_s_ratio_c1"] = _ratio(
-        once_c1.get("output_tok_s"), llama.get("c1_output_tok_s")
     )
     return figures
 
@@ -205,10 +219,7 @@ def render_table(results: dict) -> str:
             f"no cache {uncached['computed_over_new']:.3f}"
         )
     lines.extend(vllm_lines(results))
-    llama = results.get("llama_cpp")
-    if llama is not None:
-        lines.append("")
-        lines.append(f"llama.cpp: {llama.get('status')} {llama.get('reason', '')}".rstrip())
+    lines.extend(llama_lines(results))
     lines.append("bars:")
     for name, bar in results["bars"].items():
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[bar["pass"]]
@@ -242,20 +253,39 @@ def vllm_lines(results: dict) -> list[str]:
         return ["", f"vLLM: {vllm.get('status')} {vllm.get('reason', '')}".rstrip()]
     mode = "eager" if vllm.get("eager") else "compiled"
     lines = ["", f"vLLM server ({mode}, started in {vllm['startup_s']:.0f} s)"]
+    return lines + peer_lines(results, vllm, "vLLM")
+
+
+def llama_lines(results: dict) -> list[str]:
+    llama = results.get("llama_cpp")
+    if llama is None:
+        return []
+    if llama.get("status") != "ok":
+        return ["", f"llama.cpp: {llama.get('status')} {llama.get('reason', '')}".rstrip()]
+    lines = []
+    for precision, row in llama["rows"].items():
+        like = " (like for like)" if precision == llama.get("like_for_like") else ""
+        lines += ["", f"llama-server {precision}{like}, K/V {row['kv_type']}, {llama['version']}"]
+        lines += peer_lines(results, row, "llama.cpp")
+    return lines
+
+
+def peer_lines(results: dict, peer: dict, name: str) -> list[str]:
+    lines = []
     once_tp = results["once"]["throughput"]
-    for c, row in vllm["throughput"].items():
+    for c, row in peer["throughput"].items():
         agreement = row.get("greedy_agreement") or {}
         lines.append(
             f"  c{c:<4} tok/s once {_fmt(once_tp.get(c, {}).get('output_tok_s'))} "
-            f"vLLM {_fmt(row['output_tok_s'])}; greedy outputs equal "
+            f"{name} {_fmt(row['output_tok_s'])}; greedy outputs equal "
             f"{agreement.get('num_equal', '-')}/{agreement.get('num_requests', '-')}"
         )
-    for context, row in vllm["decode"].items():
+    for context, row in peer["decode"].items():
         lines.append(
-            f"  decode @ {context} ctx: vLLM step ms {_fmt(row['decode_step_ms'])}, "
+            f"  decode @ {context} ctx: {name} step ms {_fmt(row['decode_step_ms'])}, "
             f"prefill tok/s {_fmt(row['prefill_tok_s'])}"
         )
-    session = vllm.get("session")
+    session = peer.get("session")
     if session:
         turns = session["turns"]
         lines.append(
