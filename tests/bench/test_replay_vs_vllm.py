@@ -5,6 +5,7 @@ that serves Chat Completions as SSE and prefix-cache counters on /metrics."""
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -12,23 +13,20 @@ import pytest
 from once.agent.transport.base import payload_bytes
 from once.bench.replay import cli
 from once.bench.replay.baseline_session import parse_baselines
+from once.bench.replay.chat_column import chat_body, chat_tools, replay_column
 from once.bench.replay.plan import PlannedCall, SessionPlan
-from once.bench.replay.vllm_baseline import (
-    chat_body,
-    chat_tools,
-    check_vllm_baseline,
-    replay_column,
-)
+from once.bench.replay.vllm_baseline import check_vllm_baseline, vllm_peer
 from once.bench.replay.vllm_pool import literal_grammar
-from once.bench.replay.vs_vllm import (
-    add_vs_vllm,
+from once.bench.replay.vs_peers import (
+    add_vs_peer,
     markdown_lines,
     matched_calls,
     probe_text,
     summary_lines,
-    vs_vllm_row,
+    vs_peer_row,
 )
 from once.bench.traces import MINI_SWE_AGENT, SWEAGENT_1_1, Call, Session
+from once.router.openai_replica import structured_outputs
 
 
 def _once(index: int, **fields) -> dict:
@@ -82,7 +80,7 @@ def test_ratios_are_once_over_vllm_with_the_bars():
         _vllm(1, ttft_s=0.5),
         _vllm(2, ttft_s=0.4, finish_reason="length"),
     ]
-    row = vs_vllm_row(once, vllm, once_cpu_s=4.5)
+    row = vs_peer_row("vllm", once, vllm, once_cpu_s=4.5)
     assert row["calls"] == 3 and row["append_only"]
     assert row["computed_ratio"] == round(1080 / 1100, 4)
     assert row["tokenized_ratio"] == round(1100 / 3000, 4)
@@ -103,11 +101,11 @@ def test_ratios_are_once_over_vllm_with_the_bars():
 
 def test_the_bytes_bar_holds_only_on_append_only_groups():
     once = [_once(0, bytes_sent=10), _once(1, bytes_sent=10, break_cause="role_switch")]
-    row = vs_vllm_row(once, [_vllm(0), _vllm(1)])
+    row = vs_peer_row("vllm", once, [_vllm(0), _vllm(1)])
     assert not row["append_only"] and row["bytes_ratio"] < 0.1
     assert row["bars"]["bytes_ratio"]["met"] is None
     assert row["server_cpu_ratio"] is None  # once's CPU not measured
-    assert vs_vllm_row([], [])["computed_ratio"] is None
+    assert vs_peer_row("vllm", [], [])["computed_ratio"] is None
 
 
 def _report() -> dict:
@@ -138,6 +136,7 @@ def _column(probe_works: bool) -> dict:
             "cached_tokens": None,
         }
     return {
+        "sends": "its OpenAI server",
         "forcing": "literal grammar",
         "tokenized_means": "usage.prompt_tokens",
         "computed_from": "/metrics",
@@ -149,9 +148,9 @@ def _column(probe_works: bool) -> dict:
     }
 
 
-def test_add_vs_vllm_per_source_and_total():
+def test_add_vs_peer_per_source_and_total():
     report = _report()
-    add_vs_vllm(report, _column(probe_works=False))
+    add_vs_peer(report, "vllm", _column(probe_works=False))
     assert report["sources"]["mini"]["vs_vllm"]["calls"] == 2
     assert report["sources"]["swe"]["vs_vllm"]["calls"] == 1
     total = report["total"]["vs_vllm"]
@@ -176,7 +175,7 @@ def test_probe_text_when_it_works():
 def test_baseline_flag_is_a_comma_list():
     assert parse_baselines("transformers") == ["transformers"]
     assert parse_baselines("vllm, transformers,vllm") == ["vllm", "transformers"]
-    for bad in ("llamacpp", "", "vllm,sglang"):
+    for bad in ("sglang", "", "vllm,sglang"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_baselines(bad)
     args = cli.build_parser().parse_args(["--baseline", "transformers,vllm"])
@@ -205,11 +204,19 @@ def test_chat_body_carries_the_history_tools_and_the_forced_text():
         }
     ]
     messages = ({"role": "user", "content": "hi"},)
-    body = chat_body(messages, tools, literal_grammar('say "ok"'), 7, "m")
+    forcing = {"structured_outputs": structured_outputs(literal_grammar('say "ok"'))}
+    body = chat_body(messages, tools, forcing, 7, "m")
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["tools"] == tools
     assert body["structured_outputs"] == {"grammar": 'start: "say \\"ok\\""\n'}
     assert (body["max_tokens"], body["temperature"], body["stream"]) == (7, 0.0, True)
-    assert "tools" not in chat_body(messages, chat_tools(None), literal_grammar("x"), 1, "m")
+    assert "tools" not in chat_body(messages, chat_tools(None), {}, 1, "m")
+
+
+class FakeRuntime:
+    """What the forcing reads of a runtime: the eos ids and a decoder."""
+
+    builder = SimpleNamespace(eos_ids=[2])
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "ok")
 
 
 class FakeVllm:
@@ -249,13 +256,14 @@ class FakeVllm:
         return httpx.Response(200, text=sse, headers={"content-type": "text/event-stream"})
 
 
-def _plan(source: str, contents: list[str]) -> SessionPlan:
+def _plan(source: str, contents: list[str], forced_ids=(5, 6)) -> SessionPlan:
+    """A session of user turns, each call forced to `forced_ids` (the llama.cpp tests too)."""
     calls, history = [], []
     for index, content in enumerate(contents):
         history = [*history, {"role": "user", "content": content}]
         calls.append(Call(index, tuple(history), {"role": "assistant", "content": "ok"}))
     session = Session(f"f/{source}", source, Path(source), tuple(calls))
-    planned = [PlannedCall(c.index, {}, [], [1] * 10, [5, 6], True, None) for c in calls]
+    planned = [PlannedCall(c.index, {}, [], [1] * 10, list(forced_ids), True, None) for c in calls]
     return SessionPlan(session, planned, [])
 
 
@@ -269,7 +277,7 @@ async def test_replay_column_reads_the_counters_around_each_call():
     cpu = iter(range(100))
     async with http:
         records = await replay_column(
-            http, "http://vllm", plans, lambda ids: literal_grammar("ok"), lambda: next(cpu)
+            http, "http://vllm", plans, vllm_peer(FakeRuntime, lambda: next(cpu))
         )
     first, second, third = records["f/" + MINI_SWE_AGENT]
     assert (first["prompt_tokens"], first["computed_tokens"], first["cached_tokens"]) == (20, 20, 0)
@@ -282,6 +290,7 @@ async def test_replay_column_reads_the_counters_around_each_call():
     assert second["bytes_sent"] == payload_bytes(fake.bodies[1])
     assert second["forced_tokens"] == 2 and second["server_cpu_s"] == 1
     assert len(fake.bodies[1]["messages"]) == 2  # the whole history, every call
+    assert fake.bodies[0]["structured_outputs"] == {"grammar": 'start: "ok"\n'}  # eos dropped
     assert "error" in third and "computed_tokens" not in third  # refused: kept, not counted
     (swe,) = records["f/" + SWEAGENT_1_1]
     assert fake.bodies[-1]["tools"][0]["function"]["name"] == "bash"  # the recorded tools

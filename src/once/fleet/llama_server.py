@@ -27,12 +27,13 @@ reaped as vLLM's are (processes.py).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,11 +194,9 @@ class LlamaServer:
 
 
 @contextlib.contextmanager
-def llama_servers(
-    specs: Sequence[LlamaServerSpec], *, startup_timeout_s: float = STARTUP_TIMEOUT_S
-) -> Iterator[list[LlamaServer]]:
-    """One llama-server per spec on loopback, yielded once each answers /health (200 once
-    its model is loaded); stopped together at the end, their logs in a temporary folder."""
+def _started(specs: Sequence[LlamaServerSpec]) -> Iterator[list[LlamaServer]]:
+    """One llama-server per spec on loopback, started (not yet healthy); stopped together
+    at the end, their logs in a temporary folder."""
     reason = llamacpp_missing_reason()
     if reason:
         raise LlamaCppUnavailableError(reason)
@@ -210,7 +209,29 @@ def llama_servers(
         try:
             for server in servers:
                 server.start()
-            wait_all_healthy(servers, startup_timeout_s)
             yield servers
         finally:
             stop_processes([server.process for server in servers], STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def llama_servers(
+    specs: Sequence[LlamaServerSpec], *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+) -> Iterator[list[LlamaServer]]:
+    """The servers of `specs`, yielded once each answers /health (200 once its model is
+    loaded)."""
+    with _started(specs) as servers:
+        wait_all_healthy(servers, startup_timeout_s)
+        yield servers
+
+
+@contextlib.asynccontextmanager
+async def start_llama_servers(
+    specs: Sequence[LlamaServerSpec], *, startup_timeout_s: float = STARTUP_TIMEOUT_S
+) -> AsyncIterator[list[LlamaServer]]:
+    """`llama_servers` for asyncio: started on the loop's thread (a server gets SIGTERM when
+    the thread that forked it ends), waited for off it. Stopping blocks the loop: SIGTERM
+    ends llama-server at once."""
+    with _started(specs) as servers:
+        await asyncio.to_thread(wait_all_healthy, servers, startup_timeout_s)
+        yield servers

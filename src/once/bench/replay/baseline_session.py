@@ -107,15 +107,16 @@ def add_session_mode_arguments(parser) -> None:
         type=parse_baselines,
         help="a comma list of named baselines on the same calls, same run: transformers "
         "(with manual prefix reuse), vllm (vLLM's OpenAI server, stateless Chat "
-        "Completions, after once's stacks; the JSON gains vs_vllm)",
+        "Completions, after once's stacks; the JSON gains vs_vllm), llamacpp (llama-server "
+        "from `make llamacpp`, its OpenAI endpoint with prompt caching, f32; vs_llamacpp)",
     )
 
 
-BASELINES = ("transformers", "vllm")
+BASELINES = ("transformers", "vllm", "llamacpp")
 
 
 def parse_baselines(text: str) -> list[str]:
-    """`--baseline transformers,vllm` -> ["transformers", "vllm"]."""
+    """`--baseline transformers,vllm,llamacpp` -> ["transformers", "vllm", "llamacpp"]."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = [name for name in names if name not in BASELINES]
     if not names or unknown:

@@ -26,9 +26,10 @@ and emptied between stacks; `--vllm-kv-mib` sizes each one's KV cache (default: 
 request of --max-model-len, +10%). The JSON's `routing` section gains vLLM's own counters
 per policy and `vllm_live: true`.
 
-Named baselines (`--baseline transformers,vllm`): transformers with prefix reuse
-(baseline.py) before the stacks; vLLM's own OpenAI server after them, the calls as
-their clients sent them (vllm_baseline.py), compared per source in `vs_vllm` (vs_vllm.py).
+Named baselines (`--baseline transformers,vllm,llamacpp`): transformers with prefix reuse
+(baseline.py) before the stacks; vLLM's and llama.cpp's own OpenAI servers after them, the
+calls as their clients sent them (chat_column.py with vllm_baseline.py and
+llamacpp_baseline.py), compared per source in `vs_vllm` and `vs_llamacpp` (vs_peers.py).
 
 Disaggregation (`--pd P:D`): two more once stacks, colocated over P + D engine processes
 and over P prefill and D decode engines; the JSON gains a `pd` section (pd.py).
@@ -78,6 +79,11 @@ from once.bench.replay.kv_pressure import (
     stack_totals,
 )
 from once.bench.replay.ledger import UNATTRIBUTED, by_group, compare, merge, session_ledger
+from once.bench.replay.llamacpp_baseline import (
+    LLAMACPP,
+    check_llamacpp_baseline,
+    run_llamacpp_column,
+)
 from once.bench.replay.pacing import FAST, PACINGS
 from once.bench.replay.pd import (
     DISAGGREGATED,
@@ -111,7 +117,7 @@ from once.bench.replay.stacks import (
 from once.bench.replay.traffic import progress_bars, replay_sessions
 from once.bench.replay.vllm_baseline import VLLM, check_vllm_baseline, run_vllm_column
 from once.bench.replay.vllm_pool import open_vllm_pool
-from once.bench.replay.vs_vllm import add_vs_vllm, summary_lines
+from once.bench.replay.vs_peers import add_vs_peer, summary_lines
 from once.router.policies import POLICIES
 
 DEFAULT_MAX_MODEL_LEN = 32768
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --concurrency must be >= 1 and --time-scale >= 0", file=sys.stderr)
         return 2
     problem = check_routing_args(args) or check_kv_pressure_args(args) or check_pd_args(args)
-    problem = problem or check_vllm_baseline(args)
+    problem = problem or check_vllm_baseline(args) or check_llamacpp_baseline(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -333,12 +339,16 @@ async def run_replay(sessions, args) -> dict:
                         if run in pd_stacks:
                             pd_observed[name] = await pd_observations(stack)
                         block_size = stack.block_size
-        vllm_column = None
-        if VLLM in baselines:  # once's stacks have closed: the two never share the cores
-            vllm_column = await run_vllm_column(
+        peer_columns: dict[str, dict] = {}  # once's stacks have closed: no sharing the cores
+        if VLLM in baselines:
+            peer_columns[VLLM] = await run_vllm_column(
                 folder, plans, runtime, kv_cache_gib=args.kv_cache_gib,
                 max_model_len=args.max_model_len, log=_log,
             )  # fmt: skip
+        if LLAMACPP in baselines:
+            peer_columns[LLAMACPP] = await run_llamacpp_column(
+                folder, plans, runtime, max_model_len=args.max_model_len, log=_log
+            )
     failures = collect(traffic)
     if failures:  # the ledger over the calls every stack completed (failures.py)
         measured = records
@@ -359,8 +369,8 @@ async def run_replay(sessions, args) -> dict:
     add_cpu_seconds(report, traffic, STACKS)
     report.update(second_bar(records, baseline))
     report["max_output_tokens"] = getattr(args, "max_output_tokens", 0)
-    if vllm_column is not None:
-        add_vs_vllm(report, vllm_column)
+    for peer, column in peer_columns.items():
+        add_vs_peer(report, peer, column)
     if getattr(args, "engine", "once") == "vllm":
         report["vllm_live"] = True
     if getattr(args, "api", APIS[0]) != APIS[0]:

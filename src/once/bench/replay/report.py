@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from once.bench.replay.failures import failures_markdown  # noqa: E402
-from once.bench.replay.vs_vllm import markdown_lines as vs_vllm_markdown  # noqa: E402
+from once.bench.replay.vs_peers import markdown_lines as vs_peers_markdown  # noqa: E402
 
 BAR_FACTOR = 1.25  # computed_ratio must stay within 1.25x the ideal ratio
 PLOTS = ("prefill_per_call.png", "cumulative_cost.png", "miss_causes.png")
@@ -82,7 +82,7 @@ def markdown(report: dict) -> str:
         lines += _ablation_section(report["ablation"])
     if report.get("traffic"):
         lines += _traffic_section(report["traffic"])
-    lines += vs_vllm_markdown(report)
+    lines += vs_peers_markdown(report)
     lines += failures_markdown(report)
     lines += ["## Plots", ""]
     lines += [f"![{name.removesuffix('.png')}]({name})" for name in PLOTS]

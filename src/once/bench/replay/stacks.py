@@ -336,17 +336,24 @@ async def open_stack(
         )
 
 
-def text_forcing(runtime):
-    """Forced ids -> the grammar of their text (without the eos that ends the turn)."""
+def forced_text(runtime):
+    """Forced ids -> their text, without the eos that ends the turn: what a peer that
+    takes text must be made to produce."""
     eos_ids = set(runtime.builder.eos_ids)
 
-    def as_constraint(ids):
+    def as_text(ids) -> str:
         ids = list(ids)
         while ids and ids[-1] in eos_ids:
             ids.pop()
-        return literal_grammar(runtime.tokenizer.decode(ids, skip_special_tokens=False))
+        return runtime.tokenizer.decode(ids, skip_special_tokens=False)
 
-    return as_constraint
+    return as_text
+
+
+def text_forcing(runtime):
+    """Forced ids -> the Lark grammar of their text (forced_text)."""
+    as_text = forced_text(runtime)
+    return lambda ids: literal_grammar(as_text(ids))
 
 
 def _in_process_engine(

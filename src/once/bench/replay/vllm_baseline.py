@@ -7,71 +7,60 @@ eager, prefix caching on, as many threads as once's engine (`usable_cores`), a K
 of once's `kv_cache_gib`, and `--enable-auto-tool-choice --tool-call-parser hermes`
 (without them vLLM refuses any request that carries `tools`; hermes reads SmolLM2's
 `<tool_call>` blocks). After one warm-up call and the Responses probe its prefix cache
-is emptied; then the sessions run one after another, call by call, each call a
-stateless streamed `POST /v1/chat/completions` with the recorded `messages` (the whole
-history, every call) and the recorded tools.
+is emptied; then chat_column.py sends it every planned call.
 
-Per call, the ledger once's columns keep:
-- bytes_sent: the JSON body as it goes on the wire;
-- tokens_tokenized = prompt_tokens = `usage.prompt_tokens`: vLLM renders the whole
-  conversation with the chat template and tokenizes all of it on every call;
-- computed_tokens / cached_tokens: vLLM's own prefix-cache counters on /metrics (queries
+What is vLLM's own in the ledger (chat_column.py keeps the rest):
+- computed_tokens / cached_tokens: vLLM's prefix-cache counters on /metrics (queries
   minus hits, hits) read before and after the call, as engine_bench/vllm_side.py reads
-  them per turn; `usage.prompt_tokens_details.cached_tokens` is kept beside them;
-- ttft_s: send -> the first streamed chunk (vLLM sends its role chunk with the first
-  token's output, before the tool parser may hold text back); wall_s: send -> [DONE];
+  them per turn;
+- ttft_s: vLLM sends its role chunk with the first token's output, before the tool
+  parser may hold text back;
 - server_cpu_s: user + system CPU of the server's processes (API server and engine core,
-  its session) across the call, read from /proc as cpu.py reads once's replicas (the
-  same reader for both columns; psutil would be a new dependency for the same figure).
+  its session), read from /proc as cpu.py reads once's replicas (the same reader for
+  both columns; psutil would be a new dependency for the same figure).
 Forced outputs: the recorded output's text (the forced ids decoded, as the routed vLLM
 stacks force it: stacks.text_forcing) goes as a literal Lark grammar in
-`structured_outputs`, greedy, with max_tokens = the forced length (its closing eos
-included): vLLM decodes the recorded text itself, so both columns produce the same
-outputs. A call that stopped for length (vLLM chose a longer tokenization of the text)
-counts in `outputs_cut`. A call vLLM refused keeps its error and is left out of the
-comparison; the next call goes on (nothing carries over: the client is stateless).
+`structured_outputs`: vLLM decodes the recorded text itself, so both columns produce the
+same outputs. A call that stopped for length (vLLM chose a longer tokenization of the
+text) counts in `outputs_cut`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from once.agent.transport.base import payload_bytes
-from once.bench.payloads import session_tools
+from once.bench.replay.chat_column import (
+    TIMEOUT,
+    ChatPeer,
+    check_column_flags,
+    replay_column,
+    stream_chat,
+)
 from once.bench.replay.cpu import processes_cpu_s
 from once.bench.replay.plan import SessionPlan
 from once.bench.replay.stacks import TOKENIZER_MODEL, text_forcing
 from once.bench.replay.vllm_pool import sessions_of_processes
 from once.cpus import usable_cores
 from once.fleet.vllm_server import VllmServer, VllmSpec, start_vllm_servers, vllm_missing_reason
-from once.protocol.engine import OutputConstraint
 from once.router.openai_replica import structured_outputs
-from once.router.vllm_metrics import parse_vllm_metrics
+from once.router.vllm_metrics import VllmMetrics, parse_vllm_metrics
 
 VLLM = "vllm"
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 FORCING = (
     "literal grammar of the recorded output text (structured_outputs), max_tokens = forced length"
 )
-TIMEOUT = httpx.Timeout(None, connect=60.0)  # a call takes as long as the server needs
 
 
 def check_vllm_baseline(args) -> str | None:
     """The problem with `--baseline vllm` and the other flags, or None."""
     if VLLM not in (getattr(args, "baseline", None) or ()):
         return None
-    if (args.concurrency, args.replicas, args.engine) != (1, 1, "once"):
-        return (
-            "--baseline vllm compares once's in-process engine, one session at a time, with "
-            "vLLM's server: it needs --concurrency 1, --replicas 1 and --engine once"
-        )
-    return vllm_missing_reason()
+    return check_column_flags(args, VLLM) or vllm_missing_reason()
 
 
 def column_spec(model_folder: Path, *, kv_cache_gib: float, max_model_len: int) -> VllmSpec:
@@ -86,32 +75,22 @@ def column_spec(model_folder: Path, *, kv_cache_gib: float, max_model_len: int) 
     )
 
 
-def chat_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Responses function tools (the replay's recorded shape) as Chat Completions tools."""
-    if not tools:
-        return None
-    return [
-        {
-            "type": "function",
-            "function": {
-                key: tool[key] for key in ("name", "description", "parameters") if key in tool
-            },
-        }
-        for tool in tools
-    ]
+def vllm_peer(runtime, cpu_seconds) -> ChatPeer:
+    """The recorded text as a literal Lark grammar; computed = the growth of vLLM's
+    prefix-cache counters over the call (queries - hits)."""
+    as_constraint = text_forcing(runtime)
 
+    def split(result: dict, before: VllmMetrics, after: VllmMetrics) -> tuple[int, int]:
+        grown = after.since(before)
+        return grown.prefix_cache_hits, grown.prefix_cache_queries - grown.prefix_cache_hits
 
-def chat_body(messages, tools, forced: OutputConstraint, max_tokens: int, model: str) -> dict:
-    body: dict = {"model": model, "messages": list(messages)}
-    if tools:
-        body["tools"] = tools
-    return body | {
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "structured_outputs": structured_outputs(forced),
-    }
+    return ChatPeer(
+        VLLM,
+        forcing=lambda ids, tools: {"structured_outputs": structured_outputs(as_constraint(ids))},
+        prompt_split=split,
+        cpu_seconds=cpu_seconds,
+        read_counters=read_counters,
+    )
 
 
 def server_pids(server: VllmServer) -> list[int]:
@@ -123,101 +102,10 @@ def server_pids(server: VllmServer) -> list[int]:
     return [pid for pid, session_of in sessions_of_processes() if session_of == session]
 
 
-async def read_counters(http: httpx.AsyncClient, url: str):
+async def read_counters(http: httpx.AsyncClient, url: str) -> VllmMetrics:
     response = await http.get(f"{url}/metrics")
     response.raise_for_status()
     return parse_vllm_metrics(response.text)
-
-
-async def stream_chat(http: httpx.AsyncClient, url: str, body: dict) -> dict:
-    """One streamed call: TTFT, wall, usage, finish reason (or the server's error)."""
-    content = json.dumps(body, ensure_ascii=False).encode()
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict = {}
-    finish_reason = None
-    headers = {"content-type": "application/json"}
-    async with http.stream(
-        "POST", f"{url}/v1/chat/completions", content=content, headers=headers
-    ) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            return {"error": f"HTTP {response.status_code}: {text[:500]}"}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            if "error" in chunk:
-                return {"error": str(chunk["error"])[:500]}
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter() - started
-            for choice in chunk.get("choices") or ():
-                finish_reason = choice.get("finish_reason") or finish_reason
-            usage = chunk.get("usage") or usage
-    wall = time.perf_counter() - started
-    details = usage.get("prompt_tokens_details") or {}
-    return {
-        "ttft_s": first if first is not None else wall,
-        "wall_s": wall,
-        "prompt_tokens": usage.get("prompt_tokens", 0),
-        "output_tokens": usage.get("completion_tokens", 0),
-        "usage_cached_tokens": details.get("cached_tokens") or 0,
-        "finish_reason": finish_reason,
-    }
-
-
-async def replay_column(
-    http: httpx.AsyncClient,
-    url: str,
-    plans: list[tuple[str, SessionPlan]],
-    as_constraint: Callable[[list[int]], OutputConstraint],
-    cpu_seconds: Callable[[], float],
-    log=None,
-) -> dict[str, list[dict]]:
-    """Every planned call, in order, to the server at `url`: records by session."""
-    records: dict[str, list[dict]] = {}
-    for source_folder, plan in plans:
-        tools = chat_tools(session_tools(plan.session))
-        rows = records[plan.session_id] = []
-        for call in plan.calls:
-            recorded = plan.session.calls[call.index]
-            body = chat_body(
-                recorded.messages, tools, as_constraint(call.forced_ids), len(call.forced_ids),
-                TOKENIZER_MODEL,
-            )  # fmt: skip
-            before = await read_counters(http, url)
-            cpu_before = cpu_seconds()
-            result = await stream_chat(http, url, body)
-            cpu_s = cpu_seconds() - cpu_before
-            grown = (await read_counters(http, url)).since(before)
-            row = {
-                "session_id": plan.session_id,
-                "source_folder": source_folder,
-                "index": call.index,
-                "bytes_sent": payload_bytes(body),
-                "forced_tokens": len(call.forced_ids),
-                "server_cpu_s": round(cpu_s, 3),
-                **result,
-            }
-            if "error" not in result:
-                row["tokens_tokenized"] = result["prompt_tokens"]
-                row["cached_tokens"] = grown.prefix_cache_hits
-                row["computed_tokens"] = grown.prefix_cache_queries - grown.prefix_cache_hits
-            rows.append(row)
-            if log is not None:
-                log(_call_line(row))
-    return records
-
-
-def _call_line(row: dict) -> str:
-    where = f"vllm  {row['session_id']} call {row['index']}"
-    if "error" in row:
-        return f"{where}: {row['error']}"
-    return (
-        f"{where}: prompt {row['prompt_tokens']} (cached {row['cached_tokens']}), TTFT "
-        f"{row['ttft_s']:.2f} s, wall {row['wall_s']:.2f} s, {row['output_tokens']} tokens "
-        f"({row['finish_reason']})"
-    )
 
 
 async def probe_responses(http: httpx.AsyncClient, url: str, model: str) -> dict:
@@ -269,9 +157,8 @@ async def run_vllm_column(
         probe = await probe_responses(http, server.url, TOKENIZER_MODEL)
         await server.reset_prefix_cache()
         pids = server_pids(server)
-        calls = await replay_column(
-            http, server.url, plans, text_forcing(runtime), lambda: processes_cpu_s(pids), log
-        )
+        peer = vllm_peer(runtime, lambda: processes_cpu_s(pids))
+        calls = await replay_column(http, server.url, plans, peer, log)
     return {
         "server": {
             "version": "vLLM CPU (.venv-vllm), OpenAI server, /v1/chat/completions",
@@ -284,6 +171,7 @@ async def run_vllm_column(
             "extra_args": list(spec.extra_args),
             "startup_s": round(startup_s, 3),
         },
+        "sends": "its OpenAI server, stateless Chat Completions, the full history every call",
         "forcing": FORCING,
         "tokenized_means": "usage.prompt_tokens: vLLM renders and tokenizes the whole "
         "conversation on every call",
