@@ -295,3 +295,11 @@ async def test_replay_column_reads_the_counters_around_each_call():
     (swe,) = records["f/" + SWEAGENT_1_1]
     assert fake.bodies[-1]["tools"][0]["function"]["name"] == "bash"  # the recorded tools
     assert swe["source_folder"] == "swe" and swe["ttft_s"] <= swe["wall_s"]
+
+
+def test_a_length_vllm_would_refuse_is_refused_before_any_stack_runs(capsys):
+    from once.bench.replay.cli import main
+
+    argv = ["--model", "smollm2", "--max-model-len", "16384", "--baseline", "vllm"]
+    assert main(argv) == 2
+    assert "--max-model-len 8192" in capsys.readouterr().err

@@ -115,7 +115,12 @@ from once.bench.replay.stacks import (
     stacks_for,
 )
 from once.bench.replay.traffic import progress_bars, replay_sessions
-from once.bench.replay.vllm_baseline import VLLM, check_vllm_baseline, run_vllm_column
+from once.bench.replay.vllm_baseline import (
+    VLLM,
+    check_vllm_baseline,
+    check_vllm_length,
+    run_vllm_column,
+)
 from once.bench.replay.vllm_pool import open_vllm_pool
 from once.bench.replay.vs_peers import add_vs_peer, summary_lines
 from once.router.policies import POLICIES
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         resolve_session_mode(args, TINY)
+        check_vllm_length(args)
         names = args.sessions or sample_names()
         sessions = [find_session(name) for name in names]
     except (FileNotFoundError, ValueError) as e:

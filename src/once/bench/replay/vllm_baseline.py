@@ -27,6 +27,7 @@ text) counts in `outputs_cut`.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -42,7 +43,7 @@ from once.bench.replay.chat_column import (
 )
 from once.bench.replay.cpu import processes_cpu_s
 from once.bench.replay.plan import SessionPlan
-from once.bench.replay.stacks import TOKENIZER_MODEL, text_forcing
+from once.bench.replay.stacks import TINY, TOKENIZER_MODEL, text_forcing
 from once.bench.replay.vllm_pool import sessions_of_processes
 from once.cpus import usable_cores
 from once.fleet.vllm_server import VllmServer, VllmSpec, start_vllm_servers, vllm_missing_reason
@@ -61,6 +62,28 @@ def check_vllm_baseline(args) -> str | None:
     if VLLM not in (getattr(args, "baseline", None) or ()):
         return None
     return check_column_flags(args, VLLM) or vllm_missing_reason()
+
+
+def check_vllm_length(args) -> None:
+    """ValueError when vLLM would refuse `--max-model-len` (past the positions the model
+    holds, without rope scaling): said before once's stacks run, not after them. The
+    tiny model is made for the length asked; a model not converted yet is checked by
+    vLLM itself."""
+    from once.model_files import find_model_folder
+    from once.protocol.errors import ModelNotFoundError
+
+    if VLLM not in (getattr(args, "baseline", None) or ()) or args.model == TINY:
+        return
+    try:
+        config = json.loads((find_model_folder(args.model) / "config.json").read_text())
+    except (ModelNotFoundError, OSError, ValueError):
+        return
+    held = config.get("max_position_embeddings")
+    if held and args.max_model_len > held and not config.get("rope_scaling"):
+        raise ValueError(
+            f"--baseline vllm: vLLM refuses --max-model-len {args.max_model_len} for a model "
+            f"that holds {held} positions; use --max-model-len {held} or less"
+        )
 
 
 def column_spec(model_folder: Path, *, kv_cache_gib: float, max_model_len: int) -> VllmSpec:
