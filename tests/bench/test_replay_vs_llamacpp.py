@@ -159,19 +159,24 @@ def test_vs_llamacpp_beside_vs_vllm_in_the_summary_and_report():
 
 @pytest.mark.slow
 @pytest.mark.skipif(llamacpp_missing_reason() is not None, reason="llama.cpp is not built")
-def test_replay_with_the_llamacpp_column(capsys):
+def test_replay_with_the_llamacpp_column():
     """SmolLM2 through once's stacks, then the same two calls to llama-server: its prompt
-    cache holds the first call, the grammar forces the recorded text."""
+    cache holds the first call, the grammar forces the recorded text. The replay runs in a
+    process of its own: its two SmolLM2 engines take ~3 GB the test process would keep."""
+    import subprocess
+    import sys
+
     session = "django__django-11179"  # mini-swe-agent: append-only, no tools
     argv = [
         "--model", "smollm2", "--sessions", session, "--max-calls", "2",
         "--max-output-tokens", "16", "--max-model-len", "4096", "--baseline", "llamacpp",
         "--no-progress", "--json",
     ]  # fmt: skip
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert code == 0, err[-3000:]
-    report = json.loads(out)
+    done = subprocess.run(
+        [sys.executable, "-m", "once.bench.replay.cli", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
     calls = report["llamacpp"]["calls"][f"mini-swe-agent__gemini-3-pro-preview/{session}"]
     first, second = calls
     for call in calls:

@@ -1,20 +1,23 @@
 """`once replay --baseline vllm` end to end: SmolLM2 through once's stacks, then the same
 two calls to a live vLLM server of the column's own (Chat Completions, the full history
 each call), and the vs_vllm ledger from vLLM's own counters. About a minute on two cores,
-most of it vLLM's start; no figure here depends on timing."""
+most of it vLLM's start; no figure here depends on timing. The replay runs in a process
+of its own, as a user runs it: its two SmolLM2 engines (once's and naive's) take ~3 GB,
+which the test process would otherwise keep beside everything else it loaded."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from once.bench.replay import cli
 from once.fleet.vllm_server import vllm_missing_reason
 
 SESSION = "django__django-11179"  # mini-swe-agent: append-only, 1.5k-1.6k prompt tokens
 
 
-def test_replay_with_the_vllm_column(capsys):
+def test_replay_with_the_vllm_column():
     reason = vllm_missing_reason()
     if reason:
         if os.environ.get("CI"):
@@ -36,8 +39,11 @@ def test_replay_with_the_vllm_column(capsys):
         "--no-progress",
         "--json",
     ]
-    assert cli.main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    done = subprocess.run(
+        [sys.executable, "-m", "once.bench.replay.cli", *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
 
     first, second = report["vllm"]["calls"][f"mini-swe-agent__gemini-3-pro-preview/{SESSION}"]
     for call in (first, second):
