@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from once.fleet.processes import spawn, stop_processes, wait_all_healthy
+from once.fleet.processes import read_tail, spawn, stop_processes, wait_all_healthy
 from once.fleet.vllm_server import free_port
 
 STARTUP_TIMEOUT_S = 600.0  # a hang guard: llama-server loads a 540 MB file in seconds
@@ -188,8 +188,6 @@ class LlamaServer:
         self.process = spawn(self.command(), self.log_path, "start")
 
     def log_tail(self) -> str:
-        from once.fleet.processes import read_tail
-
         return read_tail(self.log_path)
 
 
