@@ -32,6 +32,7 @@ def _engine_config(args):
             kv_events_endpoint=args.kv_events_endpoint,
             speculative_adaptive=True if args.speculative_adaptive else None,
             cpu_gemm=args.cpu_gemm,
+            weights=args.weights,
             rope_scaling=args.rope_scaling,
             kv_host_blocks=args.kv_host_blocks,
             kv_disk_path=args.kv_disk_path,
@@ -65,7 +66,7 @@ def _slowdown(text: str) -> float:
 
 
 def _add_engine_flags(parser):
-    from once.engine.config import CPU_GEMMS, ONLINE_EVICTION_POLICIES
+    from once.engine.config import CPU_GEMMS, ONLINE_EVICTION_POLICIES, WEIGHT_FORMATS
 
     parser.add_argument("--model", default=None, help="model name, HF folder or .gguf file")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
@@ -109,6 +110,12 @@ def _add_engine_flags(parser):
         choices=CPU_GEMMS,
         default=None,
         help="CPU fp32 matmuls: oneDNN over packed weights (default) or torch's own",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=None,
+        help="matmul weights: fp32 as loaded (default) or q8_0, llama.cpp's 8-bit blocks",
     )
     tiers = parser.add_argument_group("KV tiers below the device pool (off by default)")
     tiers.add_argument("--kv-host-blocks", type=int, default=None, help="L2: host-memory slots")

@@ -9,6 +9,9 @@ from typing import Any
 from once.model_files import DEFAULT_MODEL
 
 CPU_GEMMS = ("onednn", "torch")
+# How the matmul weights are kept (engine/ops.py weight_format): as loaded, or llama.cpp's
+# Q8_0 (engine/quant_q8_0.py).
+WEIGHT_FORMATS = ("fp32", "q8_0")
 KV_OFFLOAD_MODES = ("write_through", "write_back")
 ROLES = ("both", "prefill", "decode")
 KV_TRANSPORTS = ("shm", "tcp")
@@ -50,6 +53,10 @@ class EngineConfig:
     # CPU fp32 matmuls from 3 rows up: "onednn" (weights packed once for oneDNN's GEMM, a
     # second copy in memory; engine/ops.py) or "torch" (torch's own, MKL here).
     cpu_gemm: str = "onednn"
+    # The matmul weights: "fp32" (as loaded) or "q8_0" (llama.cpp's 8-bit blocks, a quarter
+    # of the bytes each decode step streams; engine/quant_q8_0.py). The embedding lookup,
+    # norms, activations and KV cache stay in dtype.
+    weights: str = "fp32"
     # The model's HF rope_scaling replaced, as JSON (vLLM: --hf-overrides), e.g. YaRN to
     # serve past the trained positions; "" keeps the model's own.
     rope_scaling: str = ""
@@ -86,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"slowdown must be a finite number >= 1.0, got {self.slowdown}")
         if self.cpu_gemm not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm must be one of {CPU_GEMMS}, got {self.cpu_gemm!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.kv_offload not in KV_OFFLOAD_MODES:
             raise ValueError(
                 f"kv_offload must be one of {KV_OFFLOAD_MODES}, got {self.kv_offload!r}"

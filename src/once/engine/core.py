@@ -40,6 +40,7 @@ from once.engine.scheduler import Scheduler, SchedulerOutput, StepUpdate
 from once.engine.speculative import SpecDecodeStats, make_drafter
 from once.engine.speculative.governor import DraftLengthGovernor
 from once.engine.speculative.verify import accept_matching, rejection_sample, sampling_probs
+from once.engine.weight_formats import weight_format
 from once.kv_eviction.policies import eviction_factory
 from once.protocol.engine import (
     FINISH_ABORT,
@@ -92,7 +93,10 @@ class LLMEngine:
             # Sliding-window attention is not implemented: within the window it is exact.
             self.max_model_len = model_config.sliding_window
         self.model = LlamaModel(
-            model_config, weights, self.max_model_len, pack_weights=config.cpu_gemm == "onednn"
+            model_config,
+            weights,
+            self.max_model_len,
+            weight_format(config.weights, pack=config.cpu_gemm == "onednn"),
         )
         # The model holds its own copies: the loaded tensors (SmolLM2: 0.5 GB) go before the
         # KV pool is allocated, or the start peaks at both.

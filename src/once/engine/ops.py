@@ -12,9 +12,16 @@ Where torch has no oneDNN, or on CUDA, every matmul is torch's. The residual add
 the rotary embedding and the SwiGLU gate run as single C calls at every batch size: at
 decode sizes each torch op costs more in dispatch than in arithmetic, and at prefill sizes
 one pass over memory beats torch's several.
+
+Weight formats. A matmul's weight is a `LinearLayer` that applies itself; the model is
+given a `WeightFormat` that turns each fp32 weight into one at load (`Fp32Weights` here:
+the plain weight and its oneDNN-packed copy; `quant_q8_0.Q8_0Weights`: llama.cpp's 8-bit
+blocks; `weight_formats.weight_format` picks one by name). `linear()` only delegates, so
+a format adds no branch to this module.
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +32,20 @@ from once.engine.kernels import load_cpu_kernels
 # weight in one stream); without a packed weight it beats MKL up to UNPACKED_MAX_ROWS.
 SMALL_BATCH_MATMUL_MAX_ROWS = 2
 UNPACKED_MATMUL_MAX_ROWS = 8
+
+
+class LinearLayer(Protocol):
+    """One matmul's weight in some format: x (rows, in_features) -> (rows, out_features).
+    use_kernel False is the reference path: torch alone."""
+
+    def apply(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor: ...
+
+
+class WeightFormat(Protocol):
+    """How a model stores its matmul weights: each (out_features, in_features) fp32 weight
+    (and bias) becomes a LinearLayer once, at load."""
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> LinearLayer: ...
 
 
 @dataclass(frozen=True)
@@ -39,6 +60,40 @@ class Linear:
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias=None, pack: bool = True) -> "Linear":
         return cls(weight, bias, pack_for_onednn(weight) if pack else None)
+
+    def apply(self, x: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+        packed = self.packed if use_kernel else None
+        max_rows = SMALL_BATCH_MATMUL_MAX_ROWS if packed is not None else UNPACKED_MATMUL_MAX_ROWS
+        lib = _cpu_kernels(x, use_kernel, max_rows)
+        if lib is None:
+            if packed is not None:
+                return _onednn_linear(x, packed, self.bias)
+            return F.linear(x, self.weight, self.bias)
+        weight, bias = self.weight, self.bias
+        rows = x.shape[0]
+        x = x.contiguous()
+        y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
+        lib.small_batch_linear(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            weight.shape[0],
+            weight.shape[1],
+            torch.get_num_threads(),
+        )
+        return y
+
+
+@dataclass(frozen=True)
+class Fp32Weights:
+    """The default format: weights as loaded, plus the oneDNN-packed copy when pack."""
+
+    pack: bool = True
+
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+        return Linear.prepare(weight, bias, self.pack)
 
 
 def onednn_available() -> bool:
@@ -73,30 +128,9 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def linear(x: torch.Tensor, layer: Linear, use_kernel: bool = True) -> torch.Tensor:
-    """x @ layer.weight^T + bias. use_kernel False is the reference path: torch alone."""
-    packed = layer.packed if use_kernel else None
-    max_rows = SMALL_BATCH_MATMUL_MAX_ROWS if packed is not None else UNPACKED_MATMUL_MAX_ROWS
-    lib = _cpu_kernels(x, use_kernel, max_rows)
-    if lib is None:
-        if packed is not None:
-            return _onednn_linear(x, packed, layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
-    weight, bias = layer.weight, layer.bias
-    rows = x.shape[0]
-    x = x.contiguous()
-    y = torch.empty(rows, weight.shape[0], dtype=x.dtype)
-    lib.small_batch_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        weight.shape[0],
-        weight.shape[1],
-        torch.get_num_threads(),
-    )
-    return y
+def linear(x: torch.Tensor, layer: LinearLayer, use_kernel: bool = True) -> torch.Tensor:
+    """x @ weight^T + bias, in whatever format the layer keeps its weight."""
+    return layer.apply(x, use_kernel)
 
 
 def add_rms_norm(x, delta, weight, eps: float, use_kernel: bool = True):

@@ -21,9 +21,11 @@ from once.bench.engine_bench import (
     peers,
     prefill_attention,
     report,
+    step_profile,
 )
 from once.bench.engine_bench.workloads import random_prompts
 from once.cpus import usable_cores
+from once.engine.config import WEIGHT_FORMATS
 from once.model_files import DEFAULT_MODEL
 
 # src/once/bench/engine_bench/cli.py -> the repository root is four folders up.
@@ -50,6 +52,9 @@ class BenchOptions:
     baselines: tuple[str, ...] = peers.DEFAULT_BASELINES
     vllm_compiled: bool = False  # vLLM's torch.compile (minutes to start) instead of eager
     seed: int = 0
+    # once's matmul weights (EngineConfig.weights): with "q8_0" it is the llamacpp_q8_0_*
+    # ratios that compare like with like.
+    weights: str = "fp32"
 
 
 def run_benchmark(options: BenchOptions, log=None) -> dict:
@@ -61,6 +66,7 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         "block_size": options.block_size,
         "max_num_batched_tokens": options.max_num_batched_tokens,
         "kv_cache_gib": options.kv_cache_gib,
+        "weights": options.weights,
     }
     started = time.perf_counter()
     cpu_start = report.cpu_snapshot()
@@ -172,6 +178,7 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
         "model": options.model,
         "model_path": str(folder),
         "num_threads": options.num_threads,
+        "once_weights": options.weights,
         "options": asdict(options),
         "machine": machine,
         "once": once_res,
@@ -242,6 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run vLLM compiled (its default; minutes to start) rather than eager",
     )
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_FORMATS,
+        default=d.weights,
+        help="once's matmul weights: fp32 (default) or q8_0 (compare with llama.cpp's Q8_0 row)",
+    )
     p.add_argument("--json", action="store_true", help="print the results JSON to stdout")
     p.add_argument("--out", type=Path, default=None, help="results file")
     p.add_argument(
@@ -250,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="only prefill attention at 2k and 8k context, once vs torch SDPA (seconds)",
     )
     contention.add_arguments(p)
+    step_profile.add_arguments(p)
     return p
 
 
@@ -278,6 +292,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         baselines=args.baseline,
         vllm_compiled=args.vllm_compiled,
         seed=args.seed,
+        weights=args.weights,
     )
 
 
@@ -287,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         return _contention(args)
     if args.prefill_attention_only:
         return _prefill_attention_only(args)
+    if args.profile:
+        return step_profile.main(args)
     args.out = args.out or DEFAULT_OUT
     try:
         options = options_from_args(args)

@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "prefill_attention.c")]
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_kernels.c", "prefill_attention.c", "q8_0.c")]
 _HEADERS = [Path(__file__).with_name("vec16.h")]
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -85,6 +85,12 @@ def _compile_and_load() -> ctypes.CDLL | None:
     fn = lib.silu_mul
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    fn = lib.q8_0_linear
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    fn = lib.q8_0_dequantize
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
     fn = lib.rope_in_place
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_int]

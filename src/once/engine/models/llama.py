@@ -18,7 +18,8 @@ from once.engine.attention import AttentionMetadata, paged_attention
 from once.engine.memory import copy_to_huge
 from once.engine.models.config import ModelConfig
 from once.engine.ops import (
-    Linear,
+    Fp32Weights,
+    WeightFormat,
     add_rms_norm,
     linear,
     rope_leading_heads,
@@ -109,7 +110,11 @@ class RotaryEmbedding:
 
 class LlamaLayer:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], prefix: str, pack: bool
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        prefix: str,
+        weight_format: WeightFormat,
     ):
         def take(name):
             # Own, contiguous memory: loaded tensors may be memory-mapped file views.
@@ -128,15 +133,15 @@ class LlamaLayer:
                 [take("self_attn.q_proj.bias"), take("self_attn.k_proj.bias"),
                  take("self_attn.v_proj.bias")]
             ).contiguous()  # fmt: skip
-        self.qkv = Linear.prepare(qkv_weight, qkv_bias, pack)
-        self.o_proj = Linear.prepare(take("self_attn.o_proj.weight"), pack=pack)
+        self.qkv = weight_format.prepare(qkv_weight, qkv_bias)
+        self.o_proj = weight_format.prepare(take("self_attn.o_proj.weight"))
         self.q_norm = take("self_attn.q_norm.weight") if config.qk_norm else None
         self.k_norm = take("self_attn.k_norm.weight") if config.qk_norm else None
         gate_up_weight = copy_to_huge(
             torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
         )
-        self.gate_up = Linear.prepare(gate_up_weight, pack=pack)
-        self.down_proj = Linear.prepare(take("mlp.down_proj.weight"), pack=pack)
+        self.gate_up = weight_format.prepare(gate_up_weight)
+        self.down_proj = weight_format.prepare(take("mlp.down_proj.weight"))
 
     def forward(self, x, delta, rope_tables, kv_cache, layer_idx, meta: AttentionMetadata):
         """Returns (residual stream, this layer's last delta): the add is fused into the
@@ -195,10 +200,10 @@ class LlamaModel:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         max_len: int,
-        pack_weights: bool = True,
+        weight_format: WeightFormat = Fp32Weights(),
     ):
-        """pack_weights: also keep each matmul's weight packed for oneDNN (CPU fp32;
-        ops.py), which costs a second copy of the weights in memory."""
+        """weight_format: how each matmul keeps its weight (ops.py): fp32 by default, with
+        a oneDNN-packed second copy; `ops.weight_format` names the others (Q8_0)."""
         missing = [n for n in required_weight_names(config) if n not in weights]
         if missing:
             raise ModelLoadError(f"weights are missing tensor {missing[0]!r}")
@@ -207,12 +212,13 @@ class LlamaModel:
         self.device, self.dtype = embed.device, embed.dtype
         self.embed = embed
         self.final_norm = weights["model.norm.weight"].clone()
-        self.lm_head = Linear.prepare(
-            embed if config.tie_word_embeddings else copy_to_huge(weights["lm_head.weight"]),
-            pack=pack_weights,
+        # A tied lm head shares the fp32 embedding in fp32; in another format it gets its
+        # own copy (the lookup stays fp32: it reads one row per token).
+        self.lm_head = weight_format.prepare(
+            embed if config.tie_word_embeddings else copy_to_huge(weights["lm_head.weight"])
         )
         self.layers = [
-            LlamaLayer(config, weights, f"model.layers.{i}.", pack_weights)
+            LlamaLayer(config, weights, f"model.layers.{i}.", weight_format)
             for i in range(config.num_layers)
         ]
         self.rope = RotaryEmbedding(config, max_len, self.device, self.dtype)

@@ -46,6 +46,7 @@ from once.engine.models.llama import LlamaModel
 from once.engine.request import Request
 from once.engine.speculative.drafter import Draft
 from once.engine.speculative.verify import sampling_probs
+from once.engine.weight_formats import weight_format
 
 # Most new ids of one request run as decode rows rather than as a prefill chunk.
 MAX_DECODE_ROWS = 16
@@ -119,7 +120,8 @@ class DraftModelDrafter:
             draft.max_position_embeddings,
             draft.sliding_window or draft.max_position_embeddings,
         )
-        model = LlamaModel(draft, weights, max_len, pack_weights=config.cpu_gemm == "onednn")
+        fmt = weight_format(config.weights, pack=config.cpu_gemm == "onednn")
+        model = LlamaModel(draft, weights, max_len, fmt)
         return cls(
             model, target.vocab_size, draft_pool_blocks(config, target, dtype),
             config.block_size, max_len, config.seed,
