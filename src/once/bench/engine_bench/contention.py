@@ -40,6 +40,8 @@ POLICIES = {
     "spin": {"GOMP_SPINCOUNT": "300000"},
     # libgomp's own spin when it knows its threads oversubscribe the CPUs: ~20 us here.
     "short-spin": {"GOMP_SPINCOUNT": "1000"},
+    # A bounded spin that still covers the gaps between a decode step's parallel regions.
+    "spin-5k": {"GOMP_SPINCOUNT": "5000"},
 }
 DEFAULT_POLICIES = ("passive", "spin")
 BUSY_LOOP = "while True: pass  # once bench engine --contention"

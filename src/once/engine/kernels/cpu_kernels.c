@@ -123,6 +123,8 @@ static inline long real_offset(int vh, int num_rows, int group, int num_heads, i
     return ((long)r * num_heads + g * group + h) * head_dim;
 }
 
+#define MERGE_PARALLEL_FLOATS 65536
+
 int paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                            const int32_t *block_tables, const int32_t *context_lens,
                            float *out, int num_seqs, int num_rows, int real_heads,
@@ -143,8 +145,16 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
     float *partials = malloc(sizeof(float) * num_seqs * max_parts * num_heads * partial_len);
     if (!partials) return -2;
     int failed = 0;
+    // Threads only where there is more than one partition to share: waking a sleeping
+    // OpenMP thread costs more than a short context's whole attention (the wait policy is
+    // passive, and on a VM the wake-up is an interrupt to a halted vCPU), and a batch-1
+    // decode step opens this region once per layer.
+    long work_items = 0;
+    for (int s = 0; s < num_seqs; s++)
+        work_items += (context_lens[s] + part_tokens - 1) / part_tokens;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads) \
+    if (work_items > 1)
     for (int s = 0; s < num_seqs; s++) {
         for (int p = 0; p < max_parts; p++) {
             const int ctx = context_lens[s];
@@ -247,7 +257,9 @@ int paged_decode_attention(const float *q, const float *k_cache, const float *v_
         return -2;
     }
 
-#pragma omp parallel for collapse(2) num_threads(num_threads)
+    // The merge reads (parts x head_dim) floats per head: threads only when that is a lot.
+#pragma omp parallel for collapse(2) num_threads(num_threads) \
+    if ((long)num_seqs * num_heads * max_parts * head_dim >= MERGE_PARALLEL_FLOATS)
     for (int s = 0; s < num_seqs; s++) {
         for (int head = 0; head < num_heads; head++) {
             const int row = (head / real_group) % num_rows;
