@@ -72,3 +72,50 @@ def test_the_llama_cpp_rows_run_once_prompts_and_count_its_cache(tmp_path):
         assert all(t["computed_tokens"] <= t["new_tokens"] + 1 for t in turns[1:])
     assert results["llamacpp_tok_s_ratio_c1"] > 0
     assert results["llamacpp_q8_0_tok_s_ratio_c1"] > 0
+
+
+def test_a_row_that_fails_part_way_keeps_its_figures_and_the_other_rows(tmp_path, monkeypatch):
+    import contextlib
+    from types import SimpleNamespace
+
+    from once.bench.engine_bench import llama_cpp_side
+    from once.bench.engine_bench.once_side import SessionShape
+
+    log_file = tmp_path / "llama-server.log"
+    log_file.write_text("loading\nGGML_ASSERT failed\n")
+    served: list[str] = []
+
+    @contextlib.contextmanager
+    def fake_servers(specs):
+        served.append(specs[0].gguf.name)
+        yield [SimpleNamespace(url="http://127.0.0.1:1", log_path=log_file)]
+
+    async def fake_session(url, shape, vocab, seed):
+        if served[-1] == "q8_0.gguf":  # the server goes away in the last part of this row
+            raise RuntimeError("Server disconnected without sending a response.")
+        return {"turns": []}
+
+    async def nothing(*args, **kwargs):
+        return {"output_tok_s": 10.0, "decode_step_ms": 1.0, "prefill_tok_s": 1.0}
+
+    files = {F32: tmp_path / "f32.gguf", Q8_0: tmp_path / "q8_0.gguf"}
+    monkeypatch.setattr(llama_cpp_side, "llamacpp_missing_reason", lambda: None)
+    monkeypatch.setattr(llama_cpp_side, "gguf_files", lambda folder, precisions: files)
+    monkeypatch.setattr(llama_cpp_side, "llamacpp_version", lambda: "test")
+    monkeypatch.setattr(llama_cpp_side, "llama_servers", fake_servers)
+    monkeypatch.setattr(llama_cpp_side, "_warm_up", nothing)
+    monkeypatch.setattr(llama_cpp_side, "measure_throughput", nothing)
+    monkeypatch.setattr(llama_cpp_side, "measure_decode_step", nothing)
+    monkeypatch.setattr(llama_cpp_side, "run_session", fake_session)
+    workload = {"throughput": {"1": [[1, 2, 3]]}, "decode": [[1] * 8], "num_output": 2,
+                "decode_steps": 2}  # fmt: skip
+    result = llama_cpp_side.measure(
+        tmp_path, 1, 64, workload, SessionShape(num_turns=2), 256, "s", print
+    )
+    assert result["status"] == "ok"
+    f32, q8 = result["rows"][F32], result["rows"][Q8_0]
+    assert f32["status"] == "ok" and "session" in f32
+    assert q8["status"] == "error" and "Server disconnected" in q8["reason"]
+    assert "GGML_ASSERT" in q8["server_log_tail"]
+    # What the failing row measured before its session is kept.
+    assert q8["throughput"]["1"]["output_tok_s"] == 10.0 and "8" in q8["decode"]

@@ -23,6 +23,7 @@ Each row starts two servers, one after the other, with the row's threads:
 """
 
 import asyncio
+import contextlib
 import json
 import random
 import time
@@ -41,6 +42,7 @@ from once.fleet.llama_server import (
     llamacpp_missing_reason,
     llamacpp_version,
 )
+from once.fleet.processes import read_tail
 
 SLOT_SLACK_TOKENS = 16  # per request: room past prompt + output
 
@@ -171,22 +173,37 @@ def measure(
         log("llama.cpp: the GGUF files (converted once, then cached) ...")
         files = gguf_files(folder, precisions)
         result: dict = {"status": "ok", "version": llamacpp_version(), "like_for_like": F32}
-        result["rows"] = {
-            precision: _measure_row(
-                path, precision, num_threads, max_model_len, workload, session, vocab, seed, log
-            )
-            for precision, path in files.items()
-        }
-        return result
     except Exception as exc:  # a peer that fails is reported, the rest of the run is kept
         return {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+    result["rows"] = {}
+    for precision, path in files.items():
+        row = result["rows"][precision] = {"status": "ok"}
+        try:
+            _measure_row(
+                row, path, precision, num_threads, max_model_len, workload, session, vocab,
+                seed, log,
+            )  # fmt: skip
+        except Exception as exc:  # one row failing keeps what it and the others measured
+            row.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+            log(f"llama.cpp {precision}: error {row['reason']}")
+    return result
 
 
 def _measure_row(
-    gguf: Path, precision, num_threads, max_model_len, workload, session, vocab, seed, log
-) -> dict:
+    row: dict,
+    gguf: Path,
+    precision,
+    num_threads,
+    max_model_len,
+    workload,
+    session,
+    vocab,
+    seed,
+    log,
+) -> None:
+    """Fills `row` as it goes, so a failure part way keeps the figures before it."""
     kv_type = "f32" if precision == F32 else "f16"
-    row: dict = {"gguf": str(gguf), "kv_type": kv_type, "throughput": {}, "decode": {}}
+    row.update(gguf=str(gguf), kv_type=kv_type, throughput={}, decode={})
     groups = list(workload["throughput"].values())
     num_output = workload["num_output"]
     if groups:
@@ -196,7 +213,7 @@ def _measure_row(
             gguf, num_threads, widest * (longest + num_output + SLOT_SLACK_TOKENS), widest,
             kv_type,
         )  # fmt: skip
-        with llama_servers([spec]) as (server,):
+        with llama_servers([spec]) as (server,), _log_tail_on_error(server, row):
             asyncio.run(_warm_up(server.url, vocab))
             for prompts in groups:
                 log(f"throughput c{len(prompts)}: llama.cpp {precision} ...")
@@ -204,7 +221,7 @@ def _measure_row(
                     measure_throughput(server.url, prompts, num_output)
                 )
     spec = LlamaServerSpec(gguf, num_threads, max_model_len, 1, kv_type)
-    with llama_servers([spec]) as (server,):
+    with llama_servers([spec]) as (server,), _log_tail_on_error(server, row):
         asyncio.run(_warm_up(server.url, vocab))
         for prompt in workload["decode"]:
             log(f"decode at {len(prompt)} context: llama.cpp {precision} ...")
@@ -214,7 +231,16 @@ def _measure_row(
         if session is not None and session.num_turns:
             log(f"session of {session.num_turns} turns: llama.cpp {precision} ...")
             row["session"] = asyncio.run(run_session(server.url, session, vocab, seed))
-    return row
+
+
+@contextlib.contextmanager
+def _log_tail_on_error(server, row: dict):
+    # The server's log goes with its temporary folder: keep its tail where it failed.
+    try:
+        yield
+    except Exception:
+        row["server_log_tail"] = read_tail(server.log_path)
+        raise
 
 
 async def _warm_up(url: str, vocab: int) -> None:

@@ -266,6 +266,8 @@ def llama_lines(results: dict) -> list[str]:
     for precision, row in llama["rows"].items():
         like = " (like for like)" if precision == llama.get("like_for_like") else ""
         lines += ["", f"llama-server {precision}{like}, K/V {row['kv_type']}, {llama['version']}"]
+        if row.get("status") == "error":
+            lines.append(f"  error, figures up to it kept: {row['reason']}")
         lines += peer_lines(results, row, "llama.cpp")
     return lines
 
