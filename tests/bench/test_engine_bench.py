@@ -131,6 +131,6 @@ def test_prefill_attention_only_writes_both_ratios_and_bars(tiny_model, tmp_path
         assert results[f"prefill_vs_sdpa_{label}"] == measured[f"prefill_vs_sdpa_{label}"] > 0
         low, high = measured[f"prefill_vs_sdpa_{label}_range"]
         assert low <= measured[f"prefill_vs_sdpa_{label}"] <= high
-        for way in ("once", "sdpa", "masked"):
+        for way in ("once", "sdpa", "masked", "two_flash"):
             assert measured[f"prefill_attention_tok_s_{label}_{way}"] > 0
     assert set(results["bars"]) == {"prefill_vs_sdpa_2k", "prefill_vs_sdpa_8k"}

@@ -8,12 +8,14 @@ Token order in a step's batch (built by the model runner):
 Decodes go through the paged decode kernel (C, reads K/V through the block table in
 place), one call per decode group: plain decodes are groups of one row per sequence; a
 speculative verification's 1 + k rows form a group with 1 + k rows per sequence, which the
-kernel serves with one pass over the context for all rows. A prefill chunk that starts
-at position 0 runs causal SDPA on its own fresh K/V. A chunk that continues a prefix
-(prefix-cache hit or chunked prefill) runs in two parts merged by their log-sum-exps
-(prefill_attention): the chunk against the prefix, gathered block by block and seen
-whole by every query (no mask), and the chunk against itself (causal); a short one goes
-to the C kernel instead, which reads the prefix in place (kernel_pays).
+kernel serves with one pass over the context for all rows. Prefill chunks go to the C
+prefill kernel (kernels/prefill_attention.c), which reads the prefix in place through the
+block table and runs the attention as small GEMMs. Where it cannot run (no compiler,
+another dtype or device, a head size it is not built for) a chunk that starts at position
+0 runs causal SDPA on its own fresh K/V, and a chunk that continues a prefix runs in two
+parts merged by their log-sum-exps (prefill_attention): the chunk against the prefix,
+gathered block by block and seen whole by every query (no mask), and the chunk against
+itself (causal).
 """
 
 import ctypes
@@ -30,7 +32,6 @@ from once.engine.memory import zeros_huge
 DECODE_PART_BLOCKS = 16
 # Head sizes the prefill kernel is built for (prefill_attention.c); others run SDPA.
 PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
-PREFILL_KERNEL_MAX_TOKENS = 64  # longer chunks go to SDPA: kernel_pays
 # The CPU flash attention behind SDPA, called directly because it also returns each
 # query's log-sum-exp (out, lse); prefill_attention merges two calls with it.
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -117,39 +118,41 @@ def paged_attention(q, k, v, kv_cache: PagedKVCache, layer_idx, meta: AttentionM
     nd = meta.num_decode_tokens
     if nd == q.shape[0]:  # a decode-only step: no copy into a shared output
         return decode_attention(q, kv_cache, layer_idx, meta)
-    if not nd and len(meta.prefills) == 1 and not kernel_pays(meta.prefills[0]):
+    lib = load_cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
+    kernel = lib if _prefill_kernel_takes(lib, q) else None
+    if not nd and len(meta.prefills) == 1 and kernel is None:
         # One chunk is the whole batch (a long prompt's steps): SDPA's output as it is,
         # no copy into a shared output first (o_proj's reshape makes it contiguous).
         return prefill_attention(q, k, v, k_flat, v_flat, meta.prefills[0])
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes
     if nd:
         out[:nd] = decode_attention(q[:nd], kv_cache, layer_idx, meta)
-    lib = load_cpu_kernels() if meta.use_kernel and q.device.type == "cpu" else None
     for chunk in meta.prefills:
         rows = slice(chunk.start, chunk.start + chunk.num_tokens)
-        if not _prefill_kernel(lib, q, out, rows, kv_cache, layer_idx, chunk):
+        if kernel is None or not _prefill_kernel(kernel, q, out, rows, kv_cache, layer_idx, chunk):
             out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
     return out
 
 
-def _prefill_kernel(lib, q, out, rows: slice, kv_cache: PagedKVCache, layer_idx, chunk) -> bool:
-    """Causal attention of one chunk by the C kernel, written into out[rows]; False where
-    it does not apply (no kernel, another dtype, a head size it does not handle).
-
-    It reads the context in place through the block table, so a chunk after a long prefix
-    does not gather that prefix out of the cache first, and it has none of SDPA's per-call
-    overhead: what pays for a short chunk, not a long one (kernel_pays).
-    """
+def _prefill_kernel_takes(lib, q) -> bool:
+    """Whether the C prefill kernel can serve these queries: built here, fp32, a head
+    size it is built for, heads packed (q may be a view into the fused qkv rows, rows
+    apart by a stride)."""
     head_dim = q.shape[2]
     if lib is None or q.dtype != torch.float32 or head_dim not in PREFILL_KERNEL_HEAD_DIMS:
         return False
-    if not kernel_pays(chunk):
-        return False
-    # q may be a view into the fused qkv rows: heads packed, rows apart by a stride.
-    if q.stride(2) != 1 or q.stride(1) != head_dim or not out.is_contiguous():
-        return False
+    return q.stride(2) == 1 and q.stride(1) == head_dim
+
+
+def _prefill_kernel(lib, q, out, rows: slice, kv_cache: PagedKVCache, layer_idx, chunk) -> bool:
+    """Causal attention of one chunk by the C kernel, written into out[rows] (False if it
+    could not allocate its scratch). It reads the context in place through the block
+    table, so a chunk after a long prefix does not gather that prefix out of the cache
+    first; measured against SDPA in `once bench engine` (bench/engine_bench/
+    prefill_attention.py)."""
     k, v = kv_cache.k[layer_idx], kv_cache.v[layer_idx]
     chunk_q, chunk_out = q[rows], out[rows]
+    head_dim = q.shape[2]
     rc = lib.paged_prefill_attention(
         chunk_q.data_ptr(), k.data_ptr(), v.data_ptr(), chunk.block_table.data_ptr(),
         chunk_out.data_ptr(), chunk.num_tokens, chunk.num_prior_tokens, q.shape[1], k.shape[2],
@@ -157,18 +160,6 @@ def _prefill_kernel(lib, q, out, rows: slice, kv_cache: PagedKVCache, layer_idx,
         torch.get_num_threads(),
     )  # fmt: skip
     return rc == 0
-
-
-def kernel_pays(chunk: PrefillChunk) -> bool:
-    """The C kernel where it beats SDPA on gathered K/V: a short chunk after a prefix.
-
-    Measured on this 2-core CPU (SmolLM2-135M's 9/3 heads of 64, 2 threads, one layer;
-    kernel time / SDPA time): 512-token chunks 1.3x at no prefix, 1.5x at 2k and 1.8x
-    at 8k context (issue 33 saw 2.5-3.4x on a busier machine); 128 tokens 1.1-1.5x;
-    64 tokens 0.88-0.91x and 16 tokens 0.58-0.62x after a 2k-8k prefix, where SDPA's
-    gather and per-call overhead are most of its time. From the first token SDPA's causal
-    path wins at every size."""
-    return chunk.num_prior_tokens > 0 and chunk.num_tokens <= PREFILL_KERNEL_MAX_TOKENS
 
 
 def prefill_attention(q, k, v, k_flat, v_flat, chunk: PrefillChunk):

@@ -5,8 +5,7 @@ context, with the served model's head shape. Four ways, each ending with its out
 o_proj takes it, (tokens, heads * head_dim):
 
 - `once`: `paged_attention`, what the engine runs: the chunk's K/V stored into scattered
-  paged blocks, the prefix gathered out of them, two flash calls merged (or the C kernel,
-  where `kernel_pays`);
+  paged blocks, the C prefill kernel reading the prefix in place through the block table;
 - `sdpa`: the baseline, torch SDPA as a stack with a contiguous KV cache calls it: the
   chunk's K/V stored after the context in (1, kv_heads, context, head_dim) tensors, one
   `scaled_dot_product_attention` call with a bottom-right causal mask (built once, as a
@@ -14,8 +13,9 @@ o_proj takes it, (tokens, heads * head_dim):
   gather, no block table;
 - `masked`: the engine's way before, for reference: the prefix gathered out of the paged
   cache and concatenated with the chunk's K/V, one SDPA call with the same mask;
-- `kernel`: the C kernel forced, for reference (issue 33: 1.3-3.4x slower than SDPA for
-  these chunks, which is why the engine does not send them there).
+- `two_flash`: the engine's torch path where the kernel cannot run (no compiler, another
+  dtype), for reference: the prefix gathered block by block, two flash calls merged by
+  their log-sum-exps.
 
 Measurement: all ways in one process on the same threads, each warmed up twice, then
 `REPEATS` rounds that run every way once, each round in another order (so a drift in
@@ -84,23 +84,12 @@ def _case(num_prior: int, num_heads: int, num_kv_heads: int, head_dim: int):
         o = attention.prefill_attention_masked(q, k, v, k_flat, v_flat, chunk)
         o.reshape(CHUNK_TOKENS, -1)
 
-    def kernel() -> None:
+    def two_flash() -> None:
         write_chunk()
-        out = torch.empty_like(q)
-        lib = attention.load_cpu_kernels()
-        pays = attention.kernel_pays
-        attention.kernel_pays = lambda chunk: True  # type: ignore[assignment]
-        try:
-            if not attention._prefill_kernel(lib, q, out, slice(0, CHUNK_TOKENS), cache, 0, chunk):
-                raise RuntimeError("the prefill kernel is not available here")
-        finally:
-            attention.kernel_pays = pays  # type: ignore[assignment]
+        o = attention.prefill_attention(q, k, v, k_flat, v_flat, chunk)
+        o.reshape(CHUNK_TOKENS, -1)
 
-    ways = {"once": once, "sdpa": sdpa, "masked": masked}
-    lib = attention.load_cpu_kernels()
-    if lib is not None and head_dim in attention.PREFILL_KERNEL_HEAD_DIMS:
-        ways["kernel"] = kernel  # no C compiler here, or a head size it does not take
-    return ways
+    return {"once": once, "sdpa": sdpa, "masked": masked, "two_flash": two_flash}
 
 
 def _time(run: Callable[[], None]) -> float:

@@ -234,13 +234,13 @@ def prefill_attention_lines(prefill: dict) -> list[str]:
     lines = []
     for label in ("2k", "8k"):
         if f"prefill_vs_sdpa_{label}" in prefill:
-            ways = ("once", "sdpa", "masked", "kernel")
+            ways = ("once", "sdpa", "masked", "two_flash")
             rates = [prefill.get(f"prefill_attention_tok_s_{label}_{way}", 0) for way in ways]
             lines.append(
                 f"  prefill attention @ {label} ctx, {prefill['chunk_tokens']}-token chunk, "
                 f"tok/s per layer: once {rates[0]:.0f} torch SDPA {rates[1]:.0f} "
-                f"(masked SDPA on the gathered context {rates[2]:.0f}, C kernel forced "
-                f"{rates[3]:.0f}); once / SDPA {prefill[f'prefill_vs_sdpa_{label}']:.3f}"
+                f"(masked SDPA on the gathered context {rates[2]:.0f}, two flash calls "
+                f"merged {rates[3]:.0f}); once / SDPA {prefill[f'prefill_vs_sdpa_{label}']:.3f}"
             )
     return lines
 

@@ -2,17 +2,21 @@
 //
 // The chunk's K/V are already in the cache; query i (absolute position num_prior + i)
 // attends to keys 0 .. num_prior + i, read through the block table: no gather of the
-// context into a contiguous tensor first. Flash-attention style: one task per (kv head,
-// tile of QUERY_TILE rows); its queries are the tile's rows x the query heads of that kv
-// head's group. The task walks the key tiles its last row needs (16 keys each) with an
-// online softmax per query:
-//   1. transpose the 16 keys of kv head g into kt[d] (one lane per key), so a query's 16
-//      scores are head_dim broadcast FMAs with no horizontal reduction; the transpose is
-//      shared by every query of the task;
-//   2. for QUERIES_AT_ONCE queries together (independent dependency chains: one query
-//      alone waits on FMA latency): s = q . kt, keys past each query's position masked,
-//      running (max, sum, acc) rescaled to a new max, acc += sum_j exp(s_j - max) v_j with
-//      p_j broadcast from its lane.
+// context into a contiguous tensor first. Flash attention shaped as small GEMMs: one task
+// per (kv head, tile of QUERY_TILE rows); its queries are the tile's rows x the query
+// heads of that kv head's group, packed once (pre-scaled) into a contiguous block. The
+// task walks the key tiles (KEY_TILE keys each) its last row needs, and for each:
+//   1. transposes the tile's keys into kt[d] (KEY_TILE lanes per d), shared by all queries;
+//   2. S = Q . K^T in register blocks of SCORE_ROWS queries x KEY_TILE keys (each step of
+//      d: KEY_TILE / 16 loads of kt, one broadcast per query, SCORE_ROWS x 4 FMAs);
+//   3. an online softmax per query row over S: keys past the query's position masked,
+//      the running max raised, P = exp(S - max) in place of S, the factor that rescales
+//      the row's earlier output kept;
+//   4. O = O * factor + P . V in register blocks of 24 / (head_dim / 16) queries x
+//      head_dim (each key: head_dim / 16 loads of its V row, one broadcast per query).
+// Both products keep 24 accumulators and a few loads in the 32 vector registers, which
+// is what lets them run near the FMA units' rate where one query at a time waited on
+// loads and horizontal reductions.
 // Layouts as in paged_decode_attention. q: (num_tokens, num_heads, head_dim), rows
 // q_row_stride floats apart (a view into the fused qkv output); out: the same, contiguous.
 
@@ -25,56 +29,115 @@
 #include "vec16.h"
 
 #define QUERY_TILE 32
-#define KEY_TILE 16
-#define QUERIES_AT_ONCE 4
+#define KEY_TILE 64
+#define SCORE_KEYS 8  // keys per register block of S^T; KEY_TILE is a multiple
 
-// A batch of QUERIES_AT_ONCE queries against one key tile. NC: vectors per head.
-static inline __attribute__((always_inline)) void attend_key_tile(
-    const float *const *qs, const int *valid, const v16f *kt, const float *const *vrow,
-    float *m, float *l, float *const *acc, float scale, const int NC) {
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16f s[QUERIES_AT_ONCE], s_odd[QUERIES_AT_ONCE], p[QUERIES_AT_ONCE];
-    for (int b = 0; b < QUERIES_AT_ONCE; b++) s[b] = s_odd[b] = splat16(0.f);
-    for (int d = 0; d < 16 * NC; d += 2) {
-        const v16f k0 = kt[d], k1 = kt[d + 1];
-        for (int b = 0; b < QUERIES_AT_ONCE; b++) {
-            s[b] += qs[b][d] * k0;
-            s_odd[b] += qs[b][d + 1] * k1;
+static inline void prefetch_rows(const float *const *rows, int n, int head_dim) {
+    for (int j = 0; j < n; j++)
+        for (int d = 0; d < head_dim; d += 16) __builtin_prefetch(rows[j] + d, 0, 1);
+}
+
+// st[j][q .. q + 16 QV) = k_j . q for SCORE_KEYS keys and QV vectors of 16 queries; qt
+// is the task's queries transposed (head_dim rows of `stride` floats), st has rows of
+// `stride` too. Each d: QV loads of qt, one broadcast per key, SCORE_KEYS x QV FMAs. The
+// running column max `top` (per query, over every key scored so far) is raised as well.
+static inline __attribute__((always_inline)) void score_block(const float *const *krow,
+                                                              const float *qt, float *st,
+                                                              float *top, int stride,
+                                                              int head_dim, const int QV) {
+    v16f acc[SCORE_KEYS][2];
+    for (int j = 0; j < SCORE_KEYS; j++)
+        for (int c = 0; c < QV; c++) acc[j][c] = splat16(0.f);
+    for (int d = 0; d < head_dim; d++) {
+        v16f qd[2];
+        for (int c = 0; c < QV; c++) memcpy(&qd[c], qt + (long)d * stride + 16 * c, 64);
+        for (int j = 0; j < SCORE_KEYS; j++) {
+            const float kd = krow[j][d];
+            for (int c = 0; c < QV; c++) acc[j][c] += kd * qd[c];
         }
     }
-    v16f av[QUERIES_AT_ONCE][NC];
-    for (int b = 0; b < QUERIES_AT_ONCE; b++) {
-        const v16i in_past = lane < valid[b];
-        const v16f sb = select16(in_past, (s[b] + s_odd[b]) * scale, splat16(-FLT_MAX));
-        const float tile_max = hmax16(sb);
-        for (int c = 0; c < NC; c++) memcpy(&av[b][c], acc[b] + 16 * c, 64);
-        if (tile_max > m[b]) {
-            const float corr = expf(m[b] - tile_max);
-            l[b] *= corr;
-            for (int c = 0; c < NC; c++) av[b][c] *= corr;
-            m[b] = tile_max;
+    for (int c = 0; c < QV; c++) {
+        v16f most;
+        memcpy(&most, top + 16 * c, 64);
+        for (int j = 0; j < SCORE_KEYS; j++) {
+            memcpy(st + (long)j * stride + 16 * c, &acc[j][c], 64);
+            most = max16(most, acc[j][c]);
         }
-        p[b] = select16(in_past, exp16(sb - m[b]), splat16(0.f));
-        l[b] += hsum16(p[b]);
+        memcpy(top + 16 * c, &most, 64);
     }
-    // p_j is 0 for keys past a query's position, so every key of the tile can be summed.
-#define ACCUMULATE_KEY(j)                                                                  \
-    {                                                                                      \
-        v16f vv[NC];                                                                       \
-        for (int c = 0; c < NC; c++) memcpy(&vv[c], vrow[j] + 16 * c, 64);                 \
-        for (int b = 0; b < QUERIES_AT_ONCE; b++) {                                        \
-            const v16f pj = __builtin_shufflevector(p[b], p[b], j, j, j, j, j, j, j, j, j, \
-                                                    j, j, j, j, j, j, j);                  \
-            for (int c = 0; c < NC; c++) av[b][c] += pj * vv[c];                           \
-        }                                                                                  \
+}
+
+// Online softmax of 16 queries over the tile's nk keys (rows of st, `stride` apart), in
+// place: P = exp(S - max) for what each query sees (key k0 + j up to its position pos),
+// 0 for the rest; max m and sum l updated. Returns the factor earlier outputs scale by.
+// `top` is the max over every scored key (score_block's); where the tile reaches past a
+// query's position it may count keys the query does not see, so the max is taken again.
+// Every operation is across the 16 queries, so no horizontal reduction is needed.
+static inline v16f softmax_columns(float *st, int stride, int nk, int k0, v16i pos, int masked,
+                                   v16f top, v16f *m, v16f *l) {
+    if (masked) {
+        top = *m;
+        for (int j = 0; j < nk; j++) {
+            v16f s;
+            memcpy(&s, st + (long)j * stride, 64);
+            top = max16(top, select16(pos >= k0 + j, s, splat16(-FLT_MAX)));
+        }
+    } else {
+        top = max16(top, *m);
     }
-    ACCUMULATE_KEY(0) ACCUMULATE_KEY(1) ACCUMULATE_KEY(2) ACCUMULATE_KEY(3)
-    ACCUMULATE_KEY(4) ACCUMULATE_KEY(5) ACCUMULATE_KEY(6) ACCUMULATE_KEY(7)
-    ACCUMULATE_KEY(8) ACCUMULATE_KEY(9) ACCUMULATE_KEY(10) ACCUMULATE_KEY(11)
-    ACCUMULATE_KEY(12) ACCUMULATE_KEY(13) ACCUMULATE_KEY(14) ACCUMULATE_KEY(15)
-#undef ACCUMULATE_KEY
-    for (int b = 0; b < QUERIES_AT_ONCE; b++)
-        for (int c = 0; c < NC; c++) memcpy(acc[b] + 16 * c, &av[b][c], 64);
+    const v16f factor = exp16(*m - top);  // *m = -FLT_MAX at first: ~1e-38, times 0
+    v16f sum = splat16(0.f);
+    for (int j = 0; j < nk; j++) {
+        v16f s;
+        memcpy(&s, st + (long)j * stride, 64);
+        v16f p = exp16(s - top);
+        if (masked) p = select16(pos >= k0 + j, p, splat16(0.f));
+        sum += p;
+        memcpy(st + (long)j * stride, &p, 64);
+    }
+    *l = *l * factor + sum;
+    *m = top;
+    return factor;
+}
+
+// o_b = o_b * factor_b + sum_j p[j][b] v_j over nk keys, for 16 / NC queries (o rows of
+// head_dim = 16 NC floats). Each key: NC loads of its V row, one broadcast per query.
+static inline __attribute__((always_inline)) void value_block(const float *pt, int stride,
+                                                              const float *const *vrow, int nk,
+                                                              float *o, const float *factor,
+                                                              const int NC) {
+    const int rows = 16 / NC;
+    v16f acc[8][8];
+    for (int b = 0; b < rows; b++)
+        for (int c = 0; c < NC; c++) {
+            memcpy(&acc[b][c], o + b * 16 * NC + 16 * c, 64);
+            acc[b][c] *= factor[b];
+        }
+    for (int j = 0; j < nk; j++) {
+        v16f v[8];
+        for (int c = 0; c < NC; c++) memcpy(&v[c], vrow[j] + 16 * c, 64);
+        for (int b = 0; b < rows; b++) {
+            const float pj = pt[(long)j * stride + b];
+            for (int c = 0; c < NC; c++) acc[b][c] += pj * v[c];
+        }
+    }
+    for (int b = 0; b < rows; b++)
+        for (int c = 0; c < NC; c++) memcpy(o + b * 16 * NC + 16 * c, &acc[b][c], 64);
+}
+
+// The rows of one key tile: K and V of keys k0 .. k0 + nk - 1 of kv head g, then repeats
+// of the first key up to a multiple of SCORE_KEYS (scored, then masked away).
+static void tile_rows(const float *k_cache, const float *v_cache, const int32_t *block_table,
+                      int k0, int nk, int g, int head_dim, int block_size, long token_stride,
+                      const float **krow, const float **vrow) {
+    const long block_stride = block_size * token_stride;
+    for (int j = 0; j < KEY_TILE; j++) {
+        const int t = k0 + (j < nk ? j : 0);
+        const long off = (long)block_table[t / block_size] * block_stride +
+                         (t % block_size) * token_stride + (long)g * head_dim;
+        krow[j] = k_cache + off;
+        vrow[j] = v_cache + off;
+    }
 }
 
 // One task: kv head g, query rows row0 .. row0 + rows - 1. Returns 0, or -2 without memory.
@@ -83,53 +146,77 @@ static inline __attribute__((always_inline)) int attend_tile(
     float *out, int row0, int rows, int g, int num_prior, int num_heads, int group,
     int block_size, long token_stride, long q_row_stride, float scale, const int NC) {
     const int head_dim = 16 * NC;
-    const int nq = rows * group;
-    const int padded = (nq + QUERIES_AT_ONCE - 1) / QUERIES_AT_ONCE * QUERIES_AT_ONCE;
-    // acc: padded x head_dim, then m, l: padded each, then kt: head_dim x 16.
-    float *work = malloc(sizeof(float) * (padded * (head_dim + 2) + head_dim * KEY_TILE));
-    if (!work) return -2;
-    float *acc = work, *m = acc + (long)padded * head_dim, *l = m + padded;
-    v16f *kt = (v16f *)(l + padded);
-    for (long i = 0; i < (long)padded * head_dim; i++) acc[i] = 0.f;
-    for (int i = 0; i < padded; i++) m[i] = -FLT_MAX, l[i] = 0.f;
-    const long block_stride = block_size * token_stride;
+    const int nq = rows * group;  // query i: row i / group, head g * group + i % group
+    const int padded = (nq + 15) / 16 * 16;
+    // qt: head_dim x padded (queries transposed, pre-scaled); st: KEY_TILE x padded;
+    // o: padded x head_dim; then m, l, factor, top: padded each.
+    float *work;
+    const long floats = (long)padded * (2 * head_dim + KEY_TILE + 4);
+    if (posix_memalign((void **)&work, 64, sizeof(float) * floats)) return -2;
+    float *qt = work, *st = qt + (long)head_dim * padded, *o = st + (long)KEY_TILE * padded;
+    float *m = o + (long)padded * head_dim, *l = m + padded, *factor = l + padded;
+    float *top = factor + padded;
+    for (int i = 0; i < padded; i++) {
+        const float *src = q + (long)(row0 + i / group) * q_row_stride +
+                           (long)(g * group + i % group) * head_dim;
+        for (int d = 0; d < head_dim; d++) qt[(long)d * padded + i] = i < nq ? src[d] * scale : 0.f;
+        m[i] = -FLT_MAX, l[i] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * padded * head_dim);
     const int last_key = num_prior + row0 + rows - 1;  // the tile's last row sees up to it
+    const float *krow[KEY_TILE], *vrow[KEY_TILE], *next_k[KEY_TILE], *next_v[KEY_TILE];
+    tile_rows(k_cache, v_cache, block_table, 0, last_key + 1 < KEY_TILE ? last_key + 1 : KEY_TILE,
+              g, head_dim, block_size, token_stride, krow, vrow);
     for (int k0 = 0; k0 <= last_key; k0 += KEY_TILE) {
         const int nk = last_key + 1 - k0 < KEY_TILE ? last_key + 1 - k0 : KEY_TILE;
-        const float *krow[KEY_TILE], *vrow[KEY_TILE];
-        for (int j = 0; j < KEY_TILE; j++) {
-            const int t = k0 + (j < nk ? j : 0);  // past the last key: any row, weight 0
-            const long off = (long)block_table[t / block_size] * block_stride +
-                             (t % block_size) * token_stride + (long)g * head_dim;
-            krow[j] = k_cache + off;
-            vrow[j] = v_cache + off;
+        const int k1 = k0 + KEY_TILE;
+        if (k1 <= last_key) {  // the next tile's rows, fetched while this one computes
+            const int next_nk = last_key + 1 - k1 < KEY_TILE ? last_key + 1 - k1 : KEY_TILE;
+            tile_rows(k_cache, v_cache, block_table, k1, next_nk, g, head_dim, block_size,
+                      token_stride, next_k, next_v);
+            prefetch_rows(next_k, next_nk, head_dim);
+            prefetch_rows(next_v, next_nk, head_dim);
         }
-        float *ktf = (float *)kt;
-        for (int j = 0; j < KEY_TILE; j++)
-            for (int d = 0; d < head_dim; d++) ktf[d * KEY_TILE + j] = krow[j][d];
-        // Rows before first_row see none of these keys.
+        // Queries before `first` (rows before the tile's first key) see none of it.
         const int first_row = k0 - num_prior - row0 > 0 ? k0 - num_prior - row0 : 0;
-        const int first = first_row * group / QUERIES_AT_ONCE * QUERIES_AT_ONCE;
-        for (int qi = first; qi < padded; qi += QUERIES_AT_ONCE) {
-            const float *qs[QUERIES_AT_ONCE];
-            float *accs[QUERIES_AT_ONCE];
-            int valid[QUERIES_AT_ONCE];
-            for (int b = 0; b < QUERIES_AT_ONCE; b++) {
-                const int query = qi + b < nq ? qi + b : nq - 1;  // padding repeats the last
-                const int r = query / group, h = query % group;
-                const int seen = num_prior + row0 + r - k0 + 1;  // keys of the tile it sees
-                valid[b] = qi + b < nq ? (seen < nk ? (seen > 0 ? seen : 0) : nk) : 0;
-                qs[b] = q + (long)(row0 + r) * q_row_stride + (long)(g * group + h) * head_dim;
-                accs[b] = acc + (long)(qi + b) * head_dim;
-            }
-            attend_key_tile(qs, valid, kt, vrow, m + qi, l + qi, accs, scale, NC);
+        const int first = first_row * group / 16 * 16;
+        const int scored = (nk + SCORE_KEYS - 1) / SCORE_KEYS * SCORE_KEYS;
+        for (int i = first; i < padded; i++) top[i] = -FLT_MAX;
+        for (int j = 0; j < scored; j += SCORE_KEYS) {
+            float *st_j = st + (long)j * padded;
+            int i = first;
+            for (; i + 32 <= padded; i += 32)
+                score_block(krow + j, qt + i, st_j + i, top + i, padded, head_dim, 2);
+            if (i < padded) score_block(krow + j, qt + i, st_j + i, top + i, padded, head_dim, 1);
+        }
+        // The tile reaches the chunk's rows, or has padding keys past the last.
+        const int masked = k0 + nk - 1 > num_prior + row0 || nk < scored;
+        const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        for (int i = first; i < padded; i += 16) {
+            // Position of each query; padding queries get -1 and see nothing.
+            const v16i idx = lane + i;
+            v16i pos;
+            for (int x = 0; x < 16; x++) pos[x] = idx[x] < nq ? num_prior + row0 + idx[x] / group : -1;
+            v16f mv, lv, tv;
+            memcpy(&mv, m + i, 64);
+            memcpy(&lv, l + i, 64);
+            memcpy(&tv, top + i, 64);
+            const v16f f = softmax_columns(st + i, padded, nk, k0, pos, masked, tv, &mv, &lv);
+            memcpy(m + i, &mv, 64);
+            memcpy(l + i, &lv, 64);
+            memcpy(factor + i, &f, 64);
+        }
+        for (int i = first; i < padded; i += 16 / NC)
+            value_block(st + i, padded, vrow, nk, o + (long)i * head_dim, factor + i, NC);
+        if (k1 <= last_key) {
+            memcpy(krow, next_k, sizeof krow);
+            memcpy(vrow, next_v, sizeof vrow);
         }
     }
-    for (int qi = 0; qi < nq; qi++) {
-        const int r = qi / group, h = qi % group;
-        const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;
-        float *o = out + ((long)(row0 + r) * num_heads + g * group + h) * head_dim;
-        for (int d = 0; d < head_dim; d++) o[d] = acc[(long)qi * head_dim + d] * inv;
+    for (int i = 0; i < nq; i++) {
+        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        float *dst = out + ((long)(row0 + i / group) * num_heads + g * group + i % group) * head_dim;
+        for (int d = 0; d < head_dim; d++) dst[d] = o[(long)i * head_dim + d] * inv;
     }
     free(work);
     return 0;
