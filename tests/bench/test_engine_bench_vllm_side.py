@@ -196,3 +196,14 @@ def test_a_child_the_bench_ran_is_not_other_load():
     )  # noqa: E501
     end = report.cpu_snapshot()
     assert end[2] - start[2] >= 0.45  # its CPU seconds are the bench's own
+
+
+def test_the_vllm_dtype_reaches_the_server_command(tmp_path):
+    from once.bench.engine_bench.cli import build_parser
+    from once.fleet.vllm_server import VllmServer
+
+    for argv, dtype in (([], "float32"), (["--vllm-dtype", "bfloat16"], "bfloat16")):
+        args = build_parser().parse_args(["--baseline", "vllm", *argv])
+        spec = vllm_side.server_spec(tmp_path, 2, 64, 1024, True, args.vllm_dtype)
+        command = VllmServer(spec, "v0", 8000, tmp_path).command()
+        assert command[command.index("--dtype") + 1] == dtype

@@ -88,6 +88,7 @@ class VllmSpec:
     kv_events: bool = True
     skip_tokenizer_init: bool = False  # token ids only: vLLM then cannot tokenize anything
     enforce_eager: bool = True  # False: vLLM's default torch.compile (minutes to start)
+    dtype: str = "float32"  # "bfloat16": vLLM's CPU path in bf16 (AVX512-BF16 where present)
     extra_args: tuple[str, ...] = ()
 
 
@@ -131,7 +132,7 @@ class VllmServer:
             "--model", str(spec.model_folder),
             "--served-model-name", spec.served_model_name,
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32",
+            "--dtype", spec.dtype,
             "--max-model-len", str(spec.max_model_len),
             "--block-size", str(spec.block_size),
             "--kv-cache-memory-bytes", str(spec.kv_cache_mib * 2**20),

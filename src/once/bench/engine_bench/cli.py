@@ -51,6 +51,7 @@ class BenchOptions:
     skip_hf: bool = False
     baselines: tuple[str, ...] = peers.DEFAULT_BASELINES
     vllm_compiled: bool = False  # vLLM's torch.compile (minutes to start) instead of eager
+    vllm_dtype: str = "float32"  # "bfloat16": vLLM's bf16 CPU path (not like for like)
     seed: int = 0
     # once's matmul weights (EngineConfig.weights): with "q8_0" it is the llamacpp_q8_0_*
     # ratios that compare like with like.
@@ -170,6 +171,7 @@ def run_benchmark(options: BenchOptions, log=None) -> dict:
             vocab,
             f"{options.seed}/session",
             log,
+            options.vllm_dtype,
         )
     machine = report.machine_info(options.num_threads)
     machine["other_cpu_load"] = report.other_cpu_load(cpu_start, report.cpu_snapshot())
@@ -248,6 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run vLLM compiled (its default; minutes to start) rather than eager",
     )
+    p.add_argument(
+        "--vllm-dtype",
+        choices=("float32", "bfloat16"),
+        default=d.vllm_dtype,
+        help="vLLM's precision: float32 (like for like with once, the default) or bfloat16",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--weights",
@@ -291,6 +299,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         skip_hf=args.skip_hf,
         baselines=args.baseline,
         vllm_compiled=args.vllm_compiled,
+        vllm_dtype=args.vllm_dtype,
         seed=args.seed,
         weights=args.weights,
     )

@@ -59,11 +59,13 @@ def run_vllm(
     vocab: int,
     seed: str,
     log,
+    dtype: str = "float32",
 ) -> dict:
     """vLLM's side on `workload` (once's prompts: "throughput" per concurrency, "decode"),
-    then the agreement of its greedy outputs with once's (`workload["once_outputs"]`)."""
+    then the agreement of its greedy outputs with once's (`workload["once_outputs"]`):
+    equal where the precision is (fp32), a count of agreeing ones at bf16."""
     spec = vllm_side.server_spec(
-        folder, num_threads, int(kv_cache_gib * 1024), max_model_len, eager
+        folder, num_threads, int(kv_cache_gib * 1024), max_model_len, eager, dtype
     )
     result = vllm_side.measure(
         spec,

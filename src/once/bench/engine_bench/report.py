@@ -252,7 +252,9 @@ def vllm_lines(results: dict) -> list[str]:
     if vllm.get("status") != "ok":
         return ["", f"vLLM: {vllm.get('status')} {vllm.get('reason', '')}".rstrip()]
     mode = "eager" if vllm.get("eager") else "compiled"
-    lines = ["", f"vLLM server ({mode}, started in {vllm['startup_s']:.0f} s)"]
+    dtype = vllm.get("dtype", "float32")
+    like = " (like for like)" if dtype == "float32" else ", not like for like: once runs fp32"
+    lines = ["", f"vLLM server ({mode}, {dtype}{like}, started in {vllm['startup_s']:.0f} s)"]
     return lines + peer_lines(results, vllm, "vLLM")
 
 

@@ -140,7 +140,12 @@ async def run_session(
 
 
 def server_spec(
-    folder: Path, num_threads: int, kv_cache_mib: int, max_model_len: int, eager: bool
+    folder: Path,
+    num_threads: int,
+    kv_cache_mib: int,
+    max_model_len: int,
+    eager: bool,
+    dtype: str = "float32",
 ) -> VllmSpec:
     return VllmSpec(
         model_folder=folder,
@@ -151,6 +156,7 @@ def server_spec(
         threads=num_threads,
         kv_events=False,
         enforce_eager=eager,
+        dtype=dtype,
     )
 
 
@@ -178,7 +184,8 @@ def measure(
                 session, vocab, seed, log,
             )
         )  # fmt: skip
-    return {"status": "ok", "startup_s": startup_s, "eager": spec.enforce_eager} | result
+    started_as = {"eager": spec.enforce_eager, "dtype": spec.dtype}
+    return {"status": "ok", "startup_s": startup_s} | started_as | result
 
 
 async def _measure_all(

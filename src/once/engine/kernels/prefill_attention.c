@@ -4,19 +4,20 @@
 // attends to keys 0 .. num_prior + i, read through the block table: no gather of the
 // context into a contiguous tensor first. Flash attention shaped as small GEMMs: one task
 // per (kv head, tile of QUERY_TILE rows); its queries are the tile's rows x the query
-// heads of that kv head's group, packed once (pre-scaled) into a contiguous block. The
-// task walks the key tiles (KEY_TILE keys each) its last row needs, and for each:
-//   1. transposes the tile's keys into kt[d] (KEY_TILE lanes per d), shared by all queries;
-//   2. S = Q . K^T in register blocks of SCORE_ROWS queries x KEY_TILE keys (each step of
-//      d: KEY_TILE / 16 loads of kt, one broadcast per query, SCORE_ROWS x 4 FMAs);
-//   3. an online softmax per query row over S: keys past the query's position masked,
-//      the running max raised, P = exp(S - max) in place of S, the factor that rescales
-//      the row's earlier output kept;
-//   4. O = O * factor + P . V in register blocks of 24 / (head_dim / 16) queries x
-//      head_dim (each key: head_dim / 16 loads of its V row, one broadcast per query).
-// Both products keep 24 accumulators and a few loads in the 32 vector registers, which
-// is what lets them run near the FMA units' rate where one query at a time waited on
-// loads and horizontal reductions.
+// heads of that kv head's group, packed once, transposed and pre-scaled (qt: head_dim
+// rows of `padded` queries). The task walks the key tiles (KEY_TILE keys) its last row
+// needs, and for each:
+//   1. S^T = K . Q^T in register blocks of SCORE_KEYS keys x 32 queries: each step of d
+//      loads two query vectors of qt and broadcasts one float per key straight from the
+//      paged cache (no transposed copy of K); the column max is raised on the way;
+//   2. an online softmax down the columns, 16 queries a vector: keys past a query's
+//      position masked, the running max raised, P = 2^(S - max) in place of S, and the
+//      factor that rescales its earlier output kept; all lane-wise, no horizontal
+//      reduction;
+//   3. O = O * factor + P . V in register blocks of 16 / (head_dim / 16) queries x
+//      head_dim: each key, head_dim / 16 loads of its V row and one broadcast per query.
+// Both products keep 16 accumulators and their operands in the 32 vector registers and
+// run near the FMA units' rate; the next key tile is prefetched while one is computed.
 // Layouts as in paged_decode_attention. q: (num_tokens, num_heads, head_dim), rows
 // q_row_stride floats apart (a view into the fused qkv output); out: the same, contiguous.
 
@@ -68,7 +69,7 @@ static inline __attribute__((always_inline)) void score_block(const float *const
 }
 
 // Online softmax of 16 queries over the tile's nk keys (rows of st, `stride` apart), in
-// place: P = exp(S - max) for what each query sees (key k0 + j up to its position pos),
+// place: P = 2^(S - max) (S in log2 units) for what each query sees (key k0 + j up to its position pos),
 // 0 for the rest; max m and sum l updated. Returns the factor earlier outputs scale by.
 // `top` is the max over every scored key (score_block's); where the tile reaches past a
 // query's position it may count keys the query does not see, so the max is taken again.
@@ -85,12 +86,12 @@ static inline v16f softmax_columns(float *st, int stride, int nk, int k0, v16i p
     } else {
         top = max16(top, *m);
     }
-    const v16f factor = exp16(*m - top);  // *m = -FLT_MAX at first: ~1e-38, times 0
+    const v16f factor = exp2_nonpositive16(*m - top);  // *m = -FLT_MAX at first: 2^-126, times 0
     v16f sum = splat16(0.f);
     for (int j = 0; j < nk; j++) {
         v16f s;
         memcpy(&s, st + (long)j * stride, 64);
-        v16f p = exp16(s - top);
+        v16f p = exp2_nonpositive16(s - top);
         if (masked) p = select16(pos >= k0 + j, p, splat16(0.f));
         sum += p;
         memcpy(st + (long)j * stride, &p, 64);
@@ -148,6 +149,8 @@ static inline __attribute__((always_inline)) int attend_tile(
     const int head_dim = 16 * NC;
     const int nq = rows * group;  // query i: row i / group, head g * group + i % group
     const int padded = (nq + 15) / 16 * 16;
+    // Scores in log2 units (scale x log2 e), so the softmax takes 2^x: the same weights.
+    const float scale2 = scale * 1.44269504088896341f;
     // qt: head_dim x padded (queries transposed, pre-scaled); st: KEY_TILE x padded;
     // o: padded x head_dim; then m, l, factor, top: padded each.
     float *work;
@@ -159,7 +162,7 @@ static inline __attribute__((always_inline)) int attend_tile(
     for (int i = 0; i < padded; i++) {
         const float *src = q + (long)(row0 + i / group) * q_row_stride +
                            (long)(g * group + i % group) * head_dim;
-        for (int d = 0; d < head_dim; d++) qt[(long)d * padded + i] = i < nq ? src[d] * scale : 0.f;
+        for (int d = 0; d < head_dim; d++) qt[(long)d * padded + i] = i < nq ? src[d] * scale2 : 0.f;
         m[i] = -FLT_MAX, l[i] = 0.f;
     }
     memset(o, 0, sizeof(float) * padded * head_dim);

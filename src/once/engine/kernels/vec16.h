@@ -37,23 +37,22 @@ static inline float hmax16(v16f v) {
     return v[0];
 }
 
-// exp of 16 lanes: x = k ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial
-// (relative error ~1e-7), 2^k by building the float's exponent. Inputs below -87 give
-// ~1e-38, not 0: callers mask what must be exactly 0.
-static inline v16f exp16(v16f x) {
-    x = max16(x, splat16(-87.33654f));
-    x = select16(x > splat16(88.37626f), splat16(88.37626f), x);
-    const v16f half = select16(x < splat16(0.f), splat16(-0.5f), splat16(0.5f));
-    const v16i ki = __builtin_convertvector(x * 1.44269504088896341f + half, v16i);
-    const v16f k = __builtin_convertvector(ki, v16f);
-    const v16f r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    v16f y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.f;
-    return y * (v16f)((ki + 127) << 23);
+// 2^x of 16 lanes for x <= 0 (a softmax's shifted scores in log2 units): x = k + f with
+// k = round(x), |f| <= 1/2; 2^f by its Taylor polynomial of degree 7 in f (relative error
+// ~1e-8 before rounding), 2^k by building the float's exponent. Inputs below -126 give
+// 2^-126, not 0: callers mask what must be exactly 0.
+static inline v16f exp2_nonpositive16(v16f x) {
+    x = max16(x, splat16(-126.f));
+    const v16i k = __builtin_convertvector(x - 0.5f, v16i);  // truncation: nearest for x <= 0
+    const v16f f = x - __builtin_convertvector(k, v16f);
+    v16f y = 1.5252733804059840e-5f * f + 1.5403530393381608e-4f;
+    y = y * f + 1.3333558146428443e-3f;
+    y = y * f + 9.6181291076284772e-3f;
+    y = y * f + 5.5504108664821580e-2f;
+    y = y * f + 2.4022650695910071e-1f;
+    y = y * f + 6.9314718055994531e-1f;
+    y = y * f + 1.f;
+    return y * (v16f)((k + 127) << 23);
 }
 
 #endif
