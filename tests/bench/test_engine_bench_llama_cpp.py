@@ -88,7 +88,9 @@ def test_a_row_that_fails_part_way_keeps_its_figures_and_the_other_rows(tmp_path
     @contextlib.contextmanager
     def fake_servers(specs):
         served.append(specs[0].gguf.name)
-        yield [SimpleNamespace(url="http://127.0.0.1:1", log_path=log_file)]
+        # A server process that has exited with status -11 (SIGSEGV).
+        process = SimpleNamespace(poll=lambda: -11)
+        yield [SimpleNamespace(url="http://127.0.0.1:1", log_path=log_file, process=process)]
 
     async def fake_session(url, shape, vocab, seed):
         if served[-1] == "q8_0.gguf":  # the server goes away in the last part of this row
@@ -116,6 +118,6 @@ def test_a_row_that_fails_part_way_keeps_its_figures_and_the_other_rows(tmp_path
     f32, q8 = result["rows"][F32], result["rows"][Q8_0]
     assert f32["status"] == "ok" and "session" in f32
     assert q8["status"] == "error" and "Server disconnected" in q8["reason"]
-    assert "GGML_ASSERT" in q8["server_log_tail"]
+    assert "GGML_ASSERT" in q8["server_log_tail"] and q8["server_exit_code"] == -11
     # What the failing row measured before its session is kept.
     assert q8["throughput"]["1"]["output_tok_s"] == 10.0 and "8" in q8["decode"]

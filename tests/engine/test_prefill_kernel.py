@@ -3,7 +3,8 @@
 A chunk after a prefix reads the prefix in place through its block table; the torch path
 gathers it block by block and runs two flash calls merged by log-sum-exp (their parity
 with one masked SDPA call is test_prefill_attention.py). Both must agree for chunks that
-start at 0, continue a prefix, end mid-block, and span more than one query tile.
+start at 0, continue a prefix, end mid-block, span more than one query tile, and are short
+after a long prefix (the kernel then splits the keys into parts and merges them).
 """
 
 import pytest
@@ -42,7 +43,7 @@ def _run(chunk_len, num_prior, block_size, num_heads, num_kv_heads, head_dim, us
 @pytest.mark.parametrize(
     "chunk_len, num_prior, block_size",
     [(2, 0, 16), (37, 0, 16), (128, 0, 16), (70, 45, 16), (33, 300, 4), (100, 16, 8),
-     (1, 200, 16), (300, 700, 16)],
+     (1, 200, 16), (300, 700, 16), (37, 4600, 16), (5, 1100, 16), (16, 3000, 4)],
 )  # fmt: skip
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim",
@@ -82,3 +83,19 @@ def test_the_kernel_takes_every_chunk(chunk_len, num_prior, monkeypatch):
     monkeypatch.setattr(attention, "prefill_attention", lambda *a: calls.append(1) or real(*a))
     _run(chunk_len, num_prior, 16, 9, 3, 64, use_kernel=True)
     assert not calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 4])
+def test_split_keys_merge_to_the_unsplit_result(threads):
+    # With 4 threads a 37-token chunk after 4,600 tokens (2 query tiles x 3 kv heads: 6
+    # tasks) has its keys split into parts, merged by their maxima and sums; with 1 thread
+    # it is not split. Both must match SDPA.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _run(37, 4600, 16, 9, 3, 64, use_kernel=True)
+        want = _run(37, 4600, 16, 9, 3, 64, use_kernel=False)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)

@@ -236,10 +236,12 @@ def _measure_row(
 @contextlib.contextmanager
 def _log_tail_on_error(server, row: dict):
     # The server's log goes with its temporary folder: keep its tail where it failed.
+    # Whether the server was still running tells a crash from a dropped connection.
     try:
         yield
     except Exception:
         row["server_log_tail"] = read_tail(server.log_path)
+        row["server_exit_code"] = server.process.poll() if server.process else None
         raise
 
 

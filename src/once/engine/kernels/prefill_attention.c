@@ -141,16 +141,33 @@ static void tile_rows(const float *k_cache, const float *v_cache, const int32_t 
     }
 }
 
-// One task: kv head g, query rows row0 .. row0 + rows - 1. Returns 0, or -2 without memory.
-static inline __attribute__((always_inline)) int attend_tile(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
-    float *out, int row0, int rows, int g, int num_prior, int num_heads, int group,
-    int block_size, long token_stride, long q_row_stride, float scale, const int NC) {
-    const int head_dim = 16 * NC;
+// What every task of one call shares.
+struct problem {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *block_table;
+    float *out;
+    int num_prior, num_heads, group, block_size;
+    long token_stride, q_row_stride;
+    float scale2;  // softmax scale x log2 e: scores in log2 units, so the softmax takes 2^x
+};
+
+// A task's result when the keys are split over parts: per query of the chunk (row-major
+// (token, head)), the unnormalized output and its running max and sum.
+struct partial {
+    float *o, *m, *l;
+};
+
+// One task: kv head g, query rows row0 .. row0 + rows - 1, keys key_begin (a multiple of
+// KEY_TILE) up to key_end or the rows' last position. Writes the normalized output into
+// pr->out, or with `part` its unnormalized (o, m, l) there. Returns 0, or -2 without memory.
+static inline __attribute__((always_inline)) int attend_tile(const struct problem *pr,
+                                                             int row0, int rows, int g,
+                                                             int key_begin, int key_end,
+                                                             const struct partial *part,
+                                                             const int NC) {
+    const int head_dim = 16 * NC, group = pr->group;
     const int nq = rows * group;  // query i: row i / group, head g * group + i % group
     const int padded = (nq + 15) / 16 * 16;
-    // Scores in log2 units (scale x log2 e), so the softmax takes 2^x: the same weights.
-    const float scale2 = scale * 1.44269504088896341f;
     // qt: head_dim x padded (queries transposed, pre-scaled); st: KEY_TILE x padded;
     // o: padded x head_dim; then m, l, factor, top: padded each.
     float *work;
@@ -160,23 +177,29 @@ static inline __attribute__((always_inline)) int attend_tile(
     float *m = o + (long)padded * head_dim, *l = m + padded, *factor = l + padded;
     float *top = factor + padded;
     for (int i = 0; i < padded; i++) {
-        const float *src = q + (long)(row0 + i / group) * q_row_stride +
+        const float *src = pr->q + (long)(row0 + i / group) * pr->q_row_stride +
                            (long)(g * group + i % group) * head_dim;
-        for (int d = 0; d < head_dim; d++) qt[(long)d * padded + i] = i < nq ? src[d] * scale2 : 0.f;
+        for (int d = 0; d < head_dim; d++)
+            qt[(long)d * padded + i] = i < nq ? src[d] * pr->scale2 : 0.f;
         m[i] = -FLT_MAX, l[i] = 0.f;
     }
     memset(o, 0, sizeof(float) * padded * head_dim);
-    const int last_key = num_prior + row0 + rows - 1;  // the tile's last row sees up to it
+    const int num_prior = pr->num_prior;
+    int last_key = num_prior + row0 + rows - 1;  // the tile's last row sees up to it
+    if (last_key > key_end - 1) last_key = key_end - 1;
     const float *krow[KEY_TILE], *vrow[KEY_TILE], *next_k[KEY_TILE], *next_v[KEY_TILE];
-    tile_rows(k_cache, v_cache, block_table, 0, last_key + 1 < KEY_TILE ? last_key + 1 : KEY_TILE,
-              g, head_dim, block_size, token_stride, krow, vrow);
-    for (int k0 = 0; k0 <= last_key; k0 += KEY_TILE) {
+    if (key_begin <= last_key) {
+        const int nk0 = last_key + 1 - key_begin < KEY_TILE ? last_key + 1 - key_begin : KEY_TILE;
+        tile_rows(pr->k_cache, pr->v_cache, pr->block_table, key_begin, nk0, g, head_dim,
+                  pr->block_size, pr->token_stride, krow, vrow);
+    }
+    for (int k0 = key_begin; k0 <= last_key; k0 += KEY_TILE) {
         const int nk = last_key + 1 - k0 < KEY_TILE ? last_key + 1 - k0 : KEY_TILE;
         const int k1 = k0 + KEY_TILE;
         if (k1 <= last_key) {  // the next tile's rows, fetched while this one computes
             const int next_nk = last_key + 1 - k1 < KEY_TILE ? last_key + 1 - k1 : KEY_TILE;
-            tile_rows(k_cache, v_cache, block_table, k1, next_nk, g, head_dim, block_size,
-                      token_stride, next_k, next_v);
+            tile_rows(pr->k_cache, pr->v_cache, pr->block_table, k1, next_nk, g, head_dim,
+                      pr->block_size, pr->token_stride, next_k, next_v);
             prefetch_rows(next_k, next_nk, head_dim);
             prefetch_rows(next_v, next_nk, head_dim);
         }
@@ -217,12 +240,54 @@ static inline __attribute__((always_inline)) int attend_tile(
         }
     }
     for (int i = 0; i < nq; i++) {
-        const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        float *dst = out + ((long)(row0 + i / group) * num_heads + g * group + i % group) * head_dim;
-        for (int d = 0; d < head_dim; d++) dst[d] = o[(long)i * head_dim + d] * inv;
+        const long query = (long)(row0 + i / group) * pr->num_heads + g * group + i % group;
+        const float *src = o + (long)i * head_dim;
+        if (part) {
+            memcpy(part->o + query * head_dim, src, sizeof(float) * head_dim);
+            part->m[query] = m[i], part->l[query] = l[i];
+        } else {
+            const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+            for (int d = 0; d < head_dim; d++) pr->out[query * head_dim + d] = src[d] * inv;
+        }
     }
     free(work);
     return 0;
+}
+
+// How many parts to split the keys into, so a call with few (tile, kv head) tasks (a short
+// chunk after a long prefix) still gives every thread several tasks to balance; parts of
+// at least MIN_PART_KEYS keys, so each still amortizes its packing of the queries.
+#define TASKS_PER_THREAD 4
+#define MIN_PART_KEYS 512
+static int key_parts(int tasks, int total_keys, int num_threads) {
+    const int wanted = TASKS_PER_THREAD * num_threads;
+    if (tasks >= wanted) return 1;
+    int parts = (wanted + tasks - 1) / tasks;
+    if (parts > total_keys / MIN_PART_KEYS) parts = total_keys / MIN_PART_KEYS;
+    return parts > 1 ? parts : 1;
+}
+
+// out = the parts' outputs weighted by their share of the softmax: with M the largest of
+// the parts' maxima, sum_p o_p 2^(m_p - M) / sum_p l_p 2^(m_p - M).
+static void merge_parts(const struct partial *parts, int num_parts, float *out, long queries,
+                        int head_dim, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (long query = 0; query < queries; query++) {
+        float top = -FLT_MAX, sum = 0.f;
+        for (int p = 0; p < num_parts; p++)
+            if (parts[p].m[query] > top) top = parts[p].m[query];
+        float *dst = out + query * head_dim;
+        for (int d = 0; d < head_dim; d++) dst[d] = 0.f;
+        for (int p = 0; p < num_parts; p++) {
+            if (parts[p].l[query] <= 0.f) continue;  // a part this query sees no key of
+            const float w = exp2f(parts[p].m[query] - top);
+            sum += parts[p].l[query] * w;
+            const float *o = parts[p].o + query * head_dim;
+            for (int d = 0; d < head_dim; d++) dst[d] += o[d] * w;
+        }
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;
+        for (int d = 0; d < head_dim; d++) dst[d] *= inv;
+    }
 }
 
 // Returns 0; -1 for a head size it does not handle (64, 128 and 32 are); -2 without memory.
@@ -231,28 +296,51 @@ int paged_prefill_attention(const float *q, const float *k_cache, const float *v
                             int num_prior, int num_heads, int num_kv_heads, int head_dim,
                             int block_size, long q_row_stride, float scale, int num_threads) {
     if (head_dim != 32 && head_dim != 64 && head_dim != 128) return -1;
-    const int group = num_heads / num_kv_heads;
-    const long token_stride = (long)num_kv_heads * head_dim;
+    const struct problem pr = {
+        q, k_cache, v_cache, block_table, out, num_prior, num_heads, num_heads / num_kv_heads,
+        block_size, (long)num_kv_heads * head_dim, q_row_stride, scale * 1.44269504088896341f,
+    };
     const int num_tiles = (num_tokens + QUERY_TILE - 1) / QUERY_TILE;
-    int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int tile = num_tiles - 1; tile >= 0; tile--) {  // the longest (last) tiles first
-        for (int g = 0; g < num_kv_heads; g++) {
-            const int row0 = tile * QUERY_TILE;
-            const int rows = num_tokens - row0 < QUERY_TILE ? num_tokens - row0 : QUERY_TILE;
-            int rc;
-#define ATTEND(NC)                                                                            \
-    attend_tile(q, k_cache, v_cache, block_table, out, row0, rows, g, num_prior, num_heads, \
-                group, block_size, token_stride, q_row_stride, scale, NC)
-            if (head_dim == 64)
-                rc = ATTEND(4);
-            else if (head_dim == 128)
-                rc = ATTEND(8);
-            else
-                rc = ATTEND(2);
-#undef ATTEND
-            if (rc) failed = 1;
+    const int total_keys = num_prior + num_tokens;
+    int num_parts = key_parts(num_tiles * num_kv_heads, total_keys, num_threads);
+    const long queries = (long)num_tokens * num_heads;
+    struct partial parts[64];
+    if (num_parts > 64) num_parts = 64;
+    float *partial_buffer = NULL;
+    if (num_parts > 1) {
+        partial_buffer = malloc(sizeof(float) * num_parts * queries * (head_dim + 2));
+        if (!partial_buffer) num_parts = 1;  // unsplit: slower, not wrong
+        for (int p = 0; p < num_parts && partial_buffer; p++) {
+            float *base = partial_buffer + p * queries * (head_dim + 2);
+            parts[p] = (struct partial){base, base + queries * head_dim,
+                                        base + queries * (head_dim + 1)};
         }
     }
+    // Part p: keys from p * part_keys, a whole number of key tiles.
+    const int part_keys = ((total_keys + num_parts - 1) / num_parts + KEY_TILE - 1) / KEY_TILE *
+                          KEY_TILE;
+    const int tasks = num_tiles * num_kv_heads * num_parts;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int task = 0; task < tasks; task++) {
+        const int tile = num_tiles - 1 - task / (num_kv_heads * num_parts);  // longest first
+        const int g = task / num_parts % num_kv_heads, p = task % num_parts;
+        const int row0 = tile * QUERY_TILE;
+        const int rows = num_tokens - row0 < QUERY_TILE ? num_tokens - row0 : QUERY_TILE;
+        const struct partial *part = num_parts > 1 ? &parts[p] : NULL;
+        const int key_begin = p * part_keys, key_end = key_begin + part_keys;
+        int rc;
+#define ATTEND(NC) attend_tile(&pr, row0, rows, g, key_begin, key_end, part, NC)
+        if (head_dim == 64)
+            rc = ATTEND(4);
+        else if (head_dim == 128)
+            rc = ATTEND(8);
+        else
+            rc = ATTEND(2);
+#undef ATTEND
+        if (rc) failed = 1;
+    }
+    if (num_parts > 1 && !failed) merge_parts(parts, num_parts, out, queries, head_dim, num_threads);
+    free(partial_buffer);
     return failed ? -2 : 0;
 }
