@@ -273,3 +273,29 @@ def test_once_policy_does_not_leave_a_cached_home_for_its_pending_decodes():
     assert policy.choose(request(160, session_key="s"), replicas, rng) == home
     # A new session (no home) is still placed away from the busy batch.
     assert policy.choose(request(160, session_key="new"), replicas, rng) == other
+
+
+def test_once_policy_does_not_move_a_session_on_a_speed_swing_alone():
+    policy = PredictedTTFT()
+    rng = random.Random(0)
+    home = policy.choose(request(160, session_key="s"), idle(2), rng)
+    other = 1 - home
+    # Home holds 5 of the 10 blocks; the other replica measures 5x faster and is cold.
+    # Per replica's own speed the other promises the first token in 0.4 of the time, but
+    # the work ahead is 80 tokens at home against 160 there: the session stays home.
+    swing = [
+        replica(home, cached_prefix_blocks=5, prefill_tokens_per_s=200.0),
+        replica(other, prefill_tokens_per_s=1000.0),
+    ]
+    swing.sort(key=lambda r: r.index)
+    assert policy.predicted_prefill_s(request(160), swing[other]) < 0.5 * (
+        policy.predicted_prefill_s(request(160), swing[home])
+    )
+    assert policy.choose(request(160, session_key="s"), swing, rng) == home
+    # A queue at home of more than twice the other's work (80 + 300 > 2 x 160) moves it.
+    queued = [
+        replica(home, cached_prefix_blocks=5, num_queued_prefill_tokens=300),
+        replica(other),
+    ]
+    queued.sort(key=lambda r: r.index)
+    assert policy.choose(request(160, session_key="s"), queued, rng) == other

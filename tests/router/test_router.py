@@ -40,6 +40,16 @@ async def test_router_is_an_engine_client_and_streams_a_replica_output():
     assert stats["replicas"]["replica-0"]["num_routed"] == 1
     assert stats["num_running"] == 0
     assert [name for _, name in router.decisions] == ["replica-0", "replica-1"]
+    # Each decision keeps what the policy saw: both replicas, the second one after the
+    # first replica had served the same prompt (its blocks now indexed there).
+    first, second = router.decision_notes
+    assert [first["request_id"], first["replica"], second["replica"]] == [
+        "a",
+        "replica-0",
+        "replica-1",
+    ]
+    assert set(second["views"]) == {"replica-0", "replica-1"} and second["prompt_tokens"] == 64
+    assert second["views"]["replica-0"][1] > 0 == second["views"]["replica-1"][1]
     await router.aclose()
 
 

@@ -51,7 +51,7 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from once.protocol.errors import EngineDeadError
@@ -342,15 +342,20 @@ class PredictedTTFT:
     delay they add (it mixes in the prefill chunks those streams shared steps with).
 
     Session affinity: a session's later requests stay on its home replica (the one that
-    served it last) unless another replica's predicted prefill time (the first term alone)
-    is shorter by more than `affinity_margin` (a fraction of the home's; 0.5: the other
-    must promise the first token in half the time), so an approximate index or a noisy
-    speed estimate does not bounce a conversation between replicas, yet a home that
-    became much slower is left. A move recomputes the session's whole history on a
-    replica that then holds a second copy of it, so the bar to leave is set high. The check
-    leaves the decode term out whatever decode_weight is: it stands for the load a request
-    adds to a busy batch, not worth throwing its session's cache away for (with it in, the
-    check overrates a busy home's TTFT and moves sessions off their cache).
+    served it last) unless another replica's prefill work ahead of the first token
+    (queued + uncached tokens, plus the tier load) is smaller by more than
+    `affinity_margin` (a fraction of the home's; 0.5: the other must have half the work
+    ahead), so an approximate index or a noisy speed estimate does not bounce a
+    conversation between replicas, yet a home whose queue grew long is left. The check
+    prices both replicas' work at one speed (the faster one's): the measured speeds of
+    replicas that share a busy machine swing by more than the margin, and a move on such
+    a swing recomputes the session's whole history on a replica that then holds a second
+    copy of it, which every later call of the session pays for in cache room. A home that
+    is really slower still gets fewer new sessions: placement uses each replica's own
+    speed. The check leaves the decode term out whatever decode_weight is: it stands for
+    the load a request adds to a busy batch, not worth throwing its session's cache away
+    for (with it in, the check overrates a busy home's TTFT and moves sessions off their
+    cache).
 
     Prefix affinity, for requests without a session key (the Mooncake trace has none):
     the replica holding the longest cached prefix (device and lower tiers together), when
@@ -403,8 +408,10 @@ class PredictedTTFT:
         home = next((r for r in candidates if r.name == home_name), None)
         if home is not None and home.index != chosen:
             best = next(r for r in candidates if r.index == chosen)
-            best_s = self.predicted_prefill_s(request, best)
-            if best_s >= self.predicted_prefill_s(request, home) * (1 - self.affinity_margin):
+            speed = max(home.prefill_tokens_per_s, best.prefill_tokens_per_s)
+            best_s = predicted_prefill_s(request, replace(best, prefill_tokens_per_s=speed))
+            home_s = predicted_prefill_s(request, replace(home, prefill_tokens_per_s=speed))
+            if best_s >= home_s * (1 - self.affinity_margin):
                 chosen = home.index
         self._homes[key] = next(r.name for r in candidates if r.index == chosen)
         self._homes.move_to_end(key)

@@ -56,7 +56,7 @@ from once.protocol.errors import EngineDeadError, EngineOverloadedError
 from once.protocol.kv_blocks import block_hashes, extend_block_hashes
 from once.router.disagg.routing import Disaggregation
 from once.router.disagg.split import SPLIT, SplitPolicy
-from once.router.policies import Policy, RequestView, make_policy
+from once.router.policies import Policy, ReplicaView, RequestView, make_policy
 from once.router.replicas import Replica, ReplicaFailure
 
 MAX_SESSIONS = 65536  # sessions whose last replica is remembered for pause hints
@@ -74,6 +74,7 @@ class RouterConfig:
     probe_timeout_s: float = 5.0  # a hung replica must not stall the health loop
     seed: int = 0  # of the tie-breaking rng: same seed, same decisions as the simulator
     max_decisions: int = 10_000  # recent (request id, replica name) pairs kept
+    max_decision_notes: int = 1_000  # recent decisions with what the policy saw
     # With prefill replicas: which requests go through one (disagg/split.py); None: defaults.
     pd_split: SplitPolicy | None = None
 
@@ -127,6 +128,7 @@ class Router:
         self.policy: Policy = make_policy(self.config.policy, **self.config.policy_params)
         self.rng = random.Random(self.config.seed)
         self.decisions: deque[tuple[str, str]] = deque(maxlen=self.config.max_decisions)
+        self.decision_notes: deque[dict] = deque(maxlen=self.config.max_decision_notes)
         self._where: dict[str, Replica] = {}  # request id -> replica serving it now
         # session key -> the replica of its last call: where a pause hint is useful.
         self._session_where: OrderedDict[str, Replica] = OrderedDict()
@@ -307,6 +309,7 @@ class Router:
         if not views[chosen].healthy:
             raise RuntimeError(f"policy {self.policy.name} chose an unavailable replica")
         self.decisions.append((request.request_id, self.replicas[chosen].name))
+        self.decision_notes.append(decision_note(request_view, views, self.replicas[chosen].name))
         # The prefill replicas' views as they are, for the split decision.
         views = [self.replicas[i].view(hashes, num_prompt) if i in self.prefill_indices
                  else view for i, view in enumerate(views)]  # fmt: skip
@@ -388,3 +391,14 @@ class Router:
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
         await asyncio.shield(closing)
+
+
+def decision_note(request: RequestView, views: Sequence[ReplicaView], chosen: str) -> dict:
+    """What a decision saw, for a replay to show why a call went where it went: per healthy
+    replica [queued prefill tokens, prompt tokens it holds, prefill tokens/s]."""
+    seen = {
+        v.name: [v.num_queued_prefill_tokens, v.matched_prefix_blocks * request.block_size,
+                 round(v.prefill_tokens_per_s, 1)] for v in views if v.healthy
+    }  # fmt: skip
+    note = {"request_id": request.request_id, "session_key": request.session_key}
+    return {**note, "prompt_tokens": request.num_prompt_tokens, "replica": chosen, "views": seen}

@@ -94,6 +94,8 @@ def routing_figures(rows: list[dict], routing_stats: dict | None = None) -> dict
         figures["requests_per_replica"] = routing_stats["requests_per_replica"]
         figures["measured_speed"] = routing_stats.get("measured_speed")
         figures["router"] = routing_stats["router"]
+        if routing_stats.get("decisions"):
+            figures["decisions"] = routing_stats["decisions"]
         if "vllm" in routing_stats:
             figures["vllm"] = routing_stats["vllm"]
             figures["hit_ratio"] = routing_stats["vllm"]["hit_ratio"]

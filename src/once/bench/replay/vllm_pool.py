@@ -184,12 +184,15 @@ class VllmFleet:
             for server, reading in zip(self.pool.servers, per_server, strict=True)
         }
         router = {}
+        notes: list[dict] = []
         if self.router is not None:
             stats = await self.router.stats()
             router = {key: stats[key] for key in self.router.counters}
+            notes = list(self.router.decision_notes)
         return {
             "policy": self.policy,
             "router": router,
+            "decisions": notes,
             "requests_per_replica": finished,
             "finished_per_replica": finished,
             "slow_replicas": [],
