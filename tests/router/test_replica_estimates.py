@@ -59,6 +59,15 @@ def test_the_overhead_is_never_above_the_fastest_request():
     assert 8000 / meter.tokens_per_s == pytest.approx(1.05, rel=0.1)
 
 
+def test_prompts_prefilled_together_do_not_make_prefill_look_free():
+    # Live vLLM (README, "once in front of live vLLM"): two prompts of 2,142 and 3,615
+    # tokens of work got their first tokens together after ~22.1 s. A free intercept of
+    # 22.1 s rated the replica at 824k tokens/s; half the larger one's TTFT at most.
+    meter = fit([(2142, 22.05), (3615, 22.1)])
+    assert meter.overhead_s <= 11.05 + 1e-9
+    assert 150 < meter.tokens_per_s < 400
+
+
 def test_a_negative_overhead_is_clamped_to_zero():
     # Superlinear prefill (attention): the free line crosses zero below 0.
     meter = fit([(1000, 0.1), (5000, 0.8), (10000, 2.0)])

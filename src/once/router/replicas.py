@@ -97,7 +97,13 @@ class PrefillSpeedMeter:
         spread = sxx - sx * sx / sw
         slope = (sxy - sx * sy / sw) / spread if spread > 1e-9 * sxx else 0.0
         overhead = (sy - slope * sx) / sw
-        floor = min(y for _, y in self.samples)
+        # The overhead is at most the fastest first token, and at most half of the first
+        # token of the request with the most work: that one is mostly prefill. A fit past
+        # that has read batching as overhead (a server that prefills concurrent prompts
+        # together gives prompts of different lengths the same first-token time) and
+        # would rate the replica's prefill as nearly free.
+        _, largest_ttft = max(self.samples)
+        floor = min(min(y for _, y in self.samples), 0.5 * largest_ttft)
         if slope <= 0 or not 0.0 <= overhead <= floor:
             # Refit the slope alone with the overhead clamped into its range.
             overhead = min(max(overhead if slope > 0 else 0.0, 0.0), floor)
