@@ -299,3 +299,31 @@ def test_once_policy_does_not_move_a_session_on_a_speed_swing_alone():
     ]
     queued.sort(key=lambda r: r.index)
     assert policy.choose(request(160, session_key="s"), queued, rng) == other
+
+
+def test_once_policy_spreads_new_sessions_whatever_the_measured_speeds():
+    policy = PredictedTTFT()
+    rng = random.Random(0)
+    # r0 measures 1.5x faster and both are idle: per predicted TTFT every new session
+    # would go to r0; by resident sessions they alternate.
+    views = [replica(0, prefill_tokens_per_s=1500.0), replica(1)]
+    homes = [policy.choose(request(160, session_key=f"s{i}"), views, rng) for i in range(6)]
+    assert sorted(Counter(homes).values()) == [3, 3]
+    # A session's later calls stay home (its prefix cached there).
+    assert policy.choose(request(160, session_key="s1"), views, rng) == homes[1]
+
+
+def test_sessions_that_no_longer_fit_the_caches_do_not_count_as_resident():
+    policy = PredictedTTFT()
+    rng = random.Random(0)
+    small = [replica(i, kv_blocks_total=20) for i in range(2)]  # 320 tokens each
+    # Three old 200-token sessions homed on r0 (r1 down meanwhile)...
+    for i in range(3):
+        assert policy.choose(request(160 + 40, session_key=f"old{i}"), small[:1], rng) == 0
+    # ...then two recent 300-token sessions on r1 fill both caches (600 of 640 tokens):
+    # the old ones are evicted, r1 holds the most resident sessions, a new one goes to r0.
+    for i in range(2):
+        policy.choose(
+            request(300, session_key=f"new{i}"), [replace(small[0], healthy=False), small[1]], rng
+        )
+    assert policy.choose(request(160, session_key="next"), small, rng) == 0

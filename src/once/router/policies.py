@@ -357,6 +357,14 @@ class PredictedTTFT:
     for (with it in, the check overrates a busy home's TTFT and moves sessions off their
     cache).
 
+    Placement: a new session (or one whose home is gone) goes to a replica holding the
+    fewest resident sessions (the most recent ones whose last prompts fit all caches
+    together), the lowest predicted TTFT among those. A session's history comes back with
+    every call, so the sessions a replica holds are its coming load and cache pressure;
+    the momentary queue and speed of a first call are not (two idle replicas of one build
+    measure speeds up to 2x apart, and every new session went to the one that looked
+    faster).
+
     Prefix affinity, for requests without a session key (the Mooncake trace has none):
     the replica holding the longest cached prefix (device and lower tiers together), when
     it is longer than the chosen replica's, is the request's home, left only if another
@@ -389,7 +397,8 @@ class PredictedTTFT:
         self.affinity_margin = affinity_margin
         self.prefix_affinity_margin = prefix_affinity_margin
         self.max_sessions = max_sessions
-        self._homes: OrderedDict[str, str] = OrderedDict()  # session key -> replica name, LRU
+        # session key -> (home replica name, prompt tokens of its last request), LRU first
+        self._homes: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def predicted_prefill_s(self, request: RequestView, replica: ReplicaView) -> float:
         return predicted_prefill_s(request, replica)
@@ -404,20 +413,42 @@ class PredictedTTFT:
         key = request.session_key
         if key is None:
             return self._prefix_home(request, candidates, chosen, rng)
-        home_name = self._homes.get(key)
+        home_name = self._homes[key][0] if key in self._homes else None
         home = next((r for r in candidates if r.name == home_name), None)
-        if home is not None and home.index != chosen:
+        if home is None:
+            chosen = self._place_session(request, candidates, rng)
+        elif home.index != chosen:
             best = next(r for r in candidates if r.index == chosen)
             speed = max(home.prefill_tokens_per_s, best.prefill_tokens_per_s)
             best_s = predicted_prefill_s(request, replace(best, prefill_tokens_per_s=speed))
             home_s = predicted_prefill_s(request, replace(home, prefill_tokens_per_s=speed))
             if best_s >= home_s * (1 - self.affinity_margin):
                 chosen = home.index
-        self._homes[key] = next(r.name for r in candidates if r.index == chosen)
+        self._homes[key] = (
+            next(r.name for r in candidates if r.index == chosen),
+            request.num_prompt_tokens,
+        )
         self._homes.move_to_end(key)
         if len(self._homes) > self.max_sessions:
             self._homes.popitem(last=False)
         return chosen
+
+    def _place_session(self, request, candidates, rng) -> int:
+        """A new session's home: among the replicas that hold the fewest resident sessions,
+        the lowest predicted TTFT. Resident: the most recent sessions whose histories
+        (their last prompts) fit the candidates' caches together; older ones are evicted
+        anyway and pin nothing."""
+        room = sum(r.kv_blocks_total for r in candidates) * request.block_size
+        resident = {r.name: 0 for r in candidates}
+        for name, num_tokens in reversed(self._homes.values()):
+            room -= num_tokens
+            if room < 0:
+                break
+            if name in resident:
+                resident[name] += 1
+        fewest = min(resident.values())
+        emptiest = [r for r in candidates if resident[r.name] == fewest]
+        return pick_lowest(emptiest, lambda r: self.predicted_ttft_s(request, r), rng)
 
     def _prefix_home(self, request, candidates, chosen: int, rng) -> int:
         best = next(r for r in candidates if r.index == chosen)
