@@ -350,9 +350,9 @@ class PredictedTTFT:
     prices both replicas' work at one speed (the faster one's): the measured speeds of
     replicas that share a busy machine swing by more than the margin, and a move on such
     a swing recomputes the session's whole history on a replica that then holds a second
-    copy of it, which every later call of the session pays for in cache room. A home that
-    is really slower still gets fewer new sessions: placement uses each replica's own
-    speed. The check leaves the decode term out whatever decode_weight is: it stands for
+    copy of it, which every later call of the session pays for in cache room. A replica
+    that is really slower is still avoided by requests without a session key, and its
+    sessions leave it when its queue grows. The check leaves the decode term out whatever decode_weight is: it stands for
     the load a request adds to a busy batch, not worth throwing its session's cache away
     for (with it in, the check overrates a busy home's TTFT and moves sessions off their
     cache).
