@@ -352,10 +352,10 @@ class PredictedTTFT:
     a swing recomputes the session's whole history on a replica that then holds a second
     copy of it, which every later call of the session pays for in cache room. A replica
     that is really slower is still avoided by requests without a session key, and its
-    sessions leave it when its queue grows. The check leaves the decode term out whatever decode_weight is: it stands for
-    the load a request adds to a busy batch, not worth throwing its session's cache away
-    for (with it in, the check overrates a busy home's TTFT and moves sessions off their
-    cache).
+    sessions leave it when its queue grows. The check leaves the decode term out whatever
+    decode_weight is: it stands for the load a request adds to a busy batch, not worth
+    throwing its session's cache away for (with it in, the check overrates a busy home's
+    TTFT and moves sessions off their cache).
 
     Placement: a new session (or one whose home is gone) goes to a replica holding the
     fewest resident sessions (the most recent ones whose last prompts fit all caches
@@ -409,15 +409,16 @@ class PredictedTTFT:
 
     def choose(self, request, replicas, rng) -> int:
         candidates = healthy_replicas(replicas)
-        chosen = pick_lowest(candidates, lambda r: self.predicted_ttft_s(request, r), rng)
         key = request.session_key
+        home_name = self._homes[key][0] if key is not None and key in self._homes else None
+        home = next((r for r in candidates if r.name == home_name), None)
+        if key is not None and home is None:
+            chosen = self._place_session(request, candidates, rng)
+        else:
+            chosen = pick_lowest(candidates, lambda r: self.predicted_ttft_s(request, r), rng)
         if key is None:
             return self._prefix_home(request, candidates, chosen, rng)
-        home_name = self._homes[key][0] if key in self._homes else None
-        home = next((r for r in candidates if r.name == home_name), None)
-        if home is None:
-            chosen = self._place_session(request, candidates, rng)
-        elif home.index != chosen:
+        if home is not None and home.index != chosen:
             best = next(r for r in candidates if r.index == chosen)
             speed = max(home.prefill_tokens_per_s, best.prefill_tokens_per_s)
             best_s = predicted_prefill_s(request, replace(best, prefill_tokens_per_s=speed))
