@@ -173,3 +173,33 @@ def test_a_decode_leg_with_transferred_kv_queues_one_token_and_teaches_no_speed(
     assert replica.prefill_tokens_per_s(clock.now) == pytest.approx(1000)
     replica.on_delta("d", 1)
     assert replica.prefill_meter.tokens_per_s == pytest.approx(1000)  # the prior, untaught
+
+
+def test_a_request_past_its_predicted_first_token_counts_half_until_it_comes(clock):
+    replica = Replica("r", ScriptedEngine(), index=0, prefill_tokens_per_s=1000.0)
+    dispatch(replica, "big", 4000)
+    dispatch(replica, "next", 1000)
+    clock.now += 3.9
+    assert replica.num_queued_prefill_tokens() == 1100  # on time: drained at the speed
+    clock.now += 0.2  # big is due at 4 s and has no first token
+    assert replica.num_queued_prefill_tokens() == 3000
+    assert replica.in_flight["big"].num_prefill_left == 2000
+    assert replica.in_flight["next"].num_prefill_left == 1000  # still waits behind it
+    clock.now += 30.0
+    assert replica.num_queued_prefill_tokens() == 3000  # not done until its first token
+    replica.on_delta("big", 1)
+    assert replica.num_queued_prefill_tokens() == 1000
+    clock.now += 0.5
+    assert replica.num_queued_prefill_tokens() < 1000  # the queue behind it drains again
+
+
+def test_a_new_session_avoids_a_replica_busy_with_an_overdue_prefill(clock):
+    busy = Replica("busy", ScriptedEngine(), index=0, prefill_tokens_per_s=1000.0)
+    idle = Replica("idle", ScriptedEngine(), index=1, prefill_tokens_per_s=500.0)
+    dispatch(busy, "tool-output", 5000)
+    clock.now += 5.5  # past its predicted first token, which has not come
+    request = RequestView("first-call", 1500, (), 16, session_key="new")
+    views = [replica.view((), 1500) for replica in (busy, idle)]
+    assert views[0].num_queued_prefill_tokens > 0
+    chosen = make_policy("once").choose(request, views, random.Random(0))
+    assert chosen == idle.index

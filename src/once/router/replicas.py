@@ -6,10 +6,13 @@ to prefill, the output tokens still expected, and the KV blocks held; `view()` s
 into the `ReplicaView` the policies read. The tokens still to prefill are an estimate:
 the replica is taken to work through the prefills in flight first come, first served (as
 the engine's chunked prefill does) at its estimated speed, so a request sent 0.3 s ago to
-a replica doing 10k tokens/s counts 3k tokens fewer. Counting each request whole until
-its first token instead would overstate a busy replica's queue by the work it has done
-already, steer work to a slower replica that the busy one would have finished sooner, and feed
-the speed fit queues that were partly done (so it would overrate every replica).
+a replica doing 10k tokens/s counts 3k tokens fewer. A request that drains to nothing
+without its first token counts half its prefill until that token comes, and holds the
+queue behind it (the estimate was wrong for it; by how much is unknown). Counting each
+request whole until its first token instead would overstate a busy replica's queue by the
+work it has done already, steer work to a slower replica that the busy one would have
+finished sooner, and feed the speed fit queues that were partly done (so it would overrate
+every replica).
 
 Speed is measured from the requests themselves, in the unit the once policy predicts in:
 - prefill: the TTFT the router observed against the work it predicted (prompt tokens
@@ -48,6 +51,7 @@ DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 DEFAULT_DECODE_TOKENS_PER_S = 20.0
 DEFAULT_OUTPUT_TOKENS = 256  # the expected output until finished requests say otherwise
 SPEED_SMOOTHING = 0.2  # weight of a new sample in the moving averages
+OVERDUE_SHARE_LEFT = 0.5  # of its prefill, left to a request past its predicted first token
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class InFlight:
     # False for a decode leg whose prompt KV comes from a prefill replica: its first token
     # waits for a transfer, not for prefill, so it says nothing of the replica's speed.
     learns_speed: bool = True
+    overdue: bool = False  # drained to nothing without a first token (see Replica.drain)
 
 
 # What a policy charges to bring one block up from a KV tier (exact index only): a host
@@ -260,11 +265,20 @@ class Replica:
         if not self.live_estimates:
             return
         for flight in self.in_flight.values():
-            if budget <= 0:
+            if budget <= 0 or flight.overdue:
                 break
             done = min(flight.num_prefill_left, budget)
             flight.num_prefill_left -= done
             budget -= done
+            if flight.num_prefill_left <= 0 and flight.first_delta_at is None:
+                if flight.learns_speed:
+                    # Drained, and still no first token: the speed estimate ran fast for
+                    # it, and how far its prefill got cannot be seen from here. Counted
+                    # half done until its first token, it holds the queue behind it; read
+                    # as done, it drew new sessions onto a replica still busy with it.
+                    flight.overdue = True
+                    flight.num_prefill_left = OVERDUE_SHARE_LEFT * flight.num_prefill_tokens
+                    break
 
     def num_queued_prefill_tokens(
         self, now: float | None = None, speed: float | None = None
@@ -336,6 +350,7 @@ class Replica:
             flight.first_delta_at = now
             self.drain(now)
             flight.num_prefill_left = 0
+            flight.overdue = False
             if flight.learns_speed:
                 work = flight.num_queued_ahead + flight.num_prefill_tokens
                 self.prefill_meter.add(work, now - flight.sent_at)
