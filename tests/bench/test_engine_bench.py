@@ -5,7 +5,7 @@ import json
 import pytest
 
 from once.bench.engine_bench import main
-from once.bench.engine_bench.once_side import SessionShape
+from once.bench.engine_bench.once_side import SessionPrompts, SessionShape
 from once.bench.engine_bench.report import BARS
 from once.bench.engine_bench.workloads import random_prompts, token_id_range
 from once.engine.testing import make_tiny_model
@@ -105,6 +105,31 @@ def test_session_ledger_counts_only_new_tokens_with_the_cache(results):
     assert cached["computed_over_new"] == pytest.approx((40 + 2 * (64 + 4)) / 184)
     assert results["session_computed_over_new"] == cached["computed_over_new"]
     assert uncached["computed_over_new"] > 1.5
+
+
+def test_the_last_turn_is_timed_again_by_probes_of_its_shape(results):
+    cached, uncached = results["session"]["cached"], results["session"]["uncached"]
+    probes, last = cached["last_turn_probes"], cached["turns"][-1]
+    assert len(probes) == SessionShape().last_turn_probes
+    # Each probe computes its own fresh ids after the last turn's cached prefix, plus the
+    # prefix's tail that fills no block (the 8,016-token default: 4, as its last turn).
+    prefix = last["prompt_tokens"] - 64
+    expected = 64 + prefix % BLOCK_SIZE
+    assert [p["computed_tokens"] for p in probes] == [expected] * len(probes)
+    times = sorted([last["ttft_ms"], *(p["ttft_ms"] for p in probes)])
+    assert cached["last_turn_ttft_median_ms"] == times[len(times) // 2]
+    assert uncached["last_turn_probes"] == []  # each would recompute the whole prompt
+
+
+def test_probes_keep_the_prefix_and_swap_the_fresh_ids():
+    shape = SessionShape(num_turns=2, system_tokens=10, task_tokens=2, new_tokens=5)
+    prompts = SessionPrompts(shape, 256, "s")
+    prompts.advance([7, 8, 9])
+    first, second = prompts.probe(0), prompts.probe(1)
+    assert len(first) == len(second) == len(prompts.prompt)
+    assert first[:-5] == second[:-5] == prompts.prompt[:-5]
+    assert len({tuple(first[-5:]), tuple(second[-5:]), tuple(prompts.prompt[-5:])}) == 3
+    assert SessionPrompts(shape, 256, "s").probe(0)[-5:] == first[-5:]  # seeded
 
 
 def test_a_context_longer_than_the_model_fails_before_measuring(tiny_model, tmp_path, capsys):

@@ -87,6 +87,9 @@ def test_session_takes_computed_tokens_from_the_server_counters():
     assert [t["computed_tokens"] for t in result["turns"]] == [24, 26, 36]
     assert result["total_cached_tokens"] == 16
     assert result["total_new_tokens"] == 24 + 10 + 10
+    # The last turn's probes: its length, computed by the same counters.
+    assert [p["computed_tokens"] for p in result["last_turn_probes"]] == [36] * 4
+    assert prompts[3:] == [44] * 4
 
 
 def test_a_short_answer_fails_the_throughput_measurement():

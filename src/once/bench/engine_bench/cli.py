@@ -233,6 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--session-task", type=int, default=s.task_tokens)
     p.add_argument("--session-new", type=int, default=s.new_tokens)
     p.add_argument("--session-output", type=int, default=s.output_tokens)
+    p.add_argument(
+        "--session-probes",
+        type=int,
+        default=s.last_turn_probes,
+        help="requests shaped like the last turn after it; its TTFT is their median",
+    )
     p.add_argument("--threads", type=int, default=d.num_threads)
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
@@ -278,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     if args.output_tokens < 2 or args.decode_steps < 1 or args.prompt_tokens < 1:
         raise ValueError("need --output-tokens >= 2, --decode-steps >= 1, --prompt-tokens >= 1")
+    if args.session_probes < 0:
+        raise ValueError("need --session-probes >= 0")
     return BenchOptions(
         model=args.model,
         concurrency=args.concurrency,
@@ -291,6 +299,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             task_tokens=args.session_task,
             new_tokens=args.session_new,
             output_tokens=args.session_output,
+            last_turn_probes=args.session_probes,
         ),
         num_threads=args.threads,
         block_size=args.block_size,

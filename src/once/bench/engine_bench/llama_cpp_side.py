@@ -31,7 +31,12 @@ from pathlib import Path
 
 import httpx
 
-from once.bench.engine_bench.once_side import SessionPrompts, SessionShape, session_summary
+from once.bench.engine_bench.once_side import (
+    SessionPrompts,
+    SessionShape,
+    num_probes,
+    session_summary,
+)
 from once.bench.engine_bench.workloads import random_ids
 from once.fleet.llama_server import (
     F32,
@@ -150,7 +155,12 @@ async def run_session(url: str, shape: SessionShape, vocab: int, seed: str) -> d
                     "e2e_ms": 1000 * (run["finished_at"] - run["started_at"]),
                 }
             )
-    return session_summary(turns, True, started)
+        probes = []
+        for k in range(num_probes(shape)):
+            run = await _run_one(http, url, prompts.probe(k), 1)
+            computed = int(run["timings"]["prompt_n"])
+            probes.append({"ttft_ms": 1000 * run["ttft_s"], "computed_tokens": computed})
+    return session_summary(turns, True, started, probes)
 
 
 def measure(

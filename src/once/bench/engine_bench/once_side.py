@@ -1,6 +1,7 @@
 """The once engine's side: throughput, decode step time and the multi-turn session."""
 
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -118,6 +119,10 @@ class SessionShape:
     task_tokens: int = 100
     new_tokens: int = 300  # appended by each later turn, after the previous output
     output_tokens: int = 64
+    # Requests shaped like the last turn, sent after it (SessionPrompts.probe): its TTFT is
+    # read as the median of the last turn and these, since one first token swings with
+    # the machine's other load (vLLM's turn 20 read 1.5-1.8 s over quiet runs).
+    last_turn_probes: int = 4
 
     @property
     def max_tokens(self) -> int:
@@ -137,7 +142,7 @@ class SessionPrompts:
     seeded stream, so every run sees the same text."""
 
     def __init__(self, shape: SessionShape, vocab_size: int, seed: str):
-        self.shape, self.vocab_size = shape, vocab_size
+        self.shape, self.vocab_size, self.seed = shape, vocab_size, seed
         self.rng = random.Random(seed)
         self.prompt = random_ids(self.rng, shape.system_tokens + shape.task_tokens, vocab_size)
         self.num_new = len(self.prompt)
@@ -147,9 +152,20 @@ class SessionPrompts:
         self.prompt = self.prompt + output + fresh
         self.num_new = len(output) + len(fresh)
 
+    def probe(self, k: int) -> list[int]:
+        """The current prompt with its fresh ids swapped for the k-th other seeded draw of
+        the same length: the same cached prefix and the same tokens to compute (nothing
+        of one probe is cached for the next), so its first token times that turn again."""
+        num_fresh = self.shape.new_tokens
+        rng = random.Random(f"{self.seed}/probe-{k}")
+        return self.prompt[:-num_fresh] + random_ids(rng, num_fresh, self.vocab_size)
 
-def session_summary(turns: list[dict], prefix_caching: bool, started: float) -> dict:
-    """The session's ledger from its turns (prompt, new, computed, cached, TTFT each)."""
+
+def session_summary(
+    turns: list[dict], prefix_caching: bool, started: float, probes: list[dict]
+) -> dict:
+    """The session's ledger from its turns (prompt, new, computed, cached, TTFT each), and
+    the last turn's TTFT as the median of it and its probes (TTFT, computed tokens each)."""
     total_new = sum(t["new_tokens"] for t in turns)
     total_computed = sum(t["computed_tokens"] for t in turns)
     return {
@@ -161,8 +177,17 @@ def session_summary(turns: list[dict], prefix_caching: bool, started: float) -> 
         "total_cached_tokens": sum(t["cached_tokens"] for t in turns),
         "computed_over_new": total_computed / total_new,
         "ttft_ratio_last_first": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"],
+        "last_turn_probes": probes,
+        "last_turn_ttft_median_ms": statistics.median(
+            [turns[-1]["ttft_ms"], *(probe["ttft_ms"] for probe in probes)]
+        ),
         "turns": turns,
     }
+
+
+def num_probes(shape: SessionShape) -> int:
+    """Probes need a last turn with a cached prefix before its fresh ids (turn 2 on)."""
+    return shape.last_turn_probes if shape.num_turns > 1 and shape.new_tokens > 0 else 0
 
 
 def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: str) -> dict:
@@ -199,4 +224,15 @@ def run_session(engine: LLMEngine, shape: SessionShape, vocab_size: int, seed: s
                 "e2e_ms": 1000 * metrics.e2e_s,
             }
         )
-    return session_summary(turns, engine.config.enable_prefix_caching, started)
+    probes = []
+    # Without a prefix cache a probe recomputes the whole prompt: no probes there.
+    for k in range(num_probes(shape) if engine.config.enable_prefix_caching else 0):
+        probe = GenerateRequest(
+            f"turn-{shape.num_turns}-probe-{k}", tuple(prompts.probe(k)), greedy(1)
+        )
+        metrics = engine.generate([probe])[probe.request_id][-1].metrics
+        assert metrics is not None
+        probes.append(
+            {"ttft_ms": 1000 * metrics.ttft_s, "computed_tokens": metrics.num_computed_tokens}
+        )
+    return session_summary(turns, engine.config.enable_prefix_caching, started, probes)

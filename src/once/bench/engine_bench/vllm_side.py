@@ -16,7 +16,8 @@ Measured, after one warm-up request:
   the first (vLLM streams each step's token as it is made);
 - the multi-turn session, once's shape (`once_side.run_session`): turn k's prompt is turn
   k-1's prompt + its output + fresh ids; computed tokens are vLLM's own counters (the
-  prefix-cache queries minus hits of that turn, from /metrics); TTFT is the first token.
+  prefix-cache queries minus hits of that turn, from /metrics); TTFT is the first token,
+  and the last turn's is the median of it and its probes (`SessionPrompts.probe`).
 Greedy outputs come back per request for the equality check against once's.
 """
 
@@ -30,6 +31,7 @@ from once.bench.engine_bench.once_side import (
     SessionPrompts,
     SessionShape,
     greedy,
+    num_probes,
     session_summary,
 )
 from once.bench.engine_bench.workloads import random_ids
@@ -136,7 +138,17 @@ async def run_session(
                 "e2e_ms": 1000 * (run["finished_at"] - run["started_at"]),
             }
         )
-    return session_summary(turns, True, started)
+    probes = []
+    for k in range(num_probes(shape)):
+        before = await read_metrics()
+        probe = GenerateRequest(
+            f"vllm-turn-{shape.num_turns}-probe-{k}", tuple(prompts.probe(k)), greedy(1)
+        )
+        run = await _run_one(client, probe)
+        counted = (await read_metrics()).since(before)
+        computed = counted.prefix_cache_queries - counted.prefix_cache_hits
+        probes.append({"ttft_ms": 1000 * run["ttft_s"], "computed_tokens": computed})
+    return session_summary(turns, True, started, probes)
 
 
 def server_spec(
