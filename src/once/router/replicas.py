@@ -270,15 +270,15 @@ class Replica:
             done = min(flight.num_prefill_left, budget)
             flight.num_prefill_left -= done
             budget -= done
-            if flight.num_prefill_left <= 0 and flight.first_delta_at is None:
-                if flight.learns_speed:
-                    # Drained, and still no first token: the speed estimate ran fast for
-                    # it, and how far its prefill got cannot be seen from here. Counted
-                    # half done until its first token, it holds the queue behind it; read
-                    # as done, it drew new sessions onto a replica still busy with it.
-                    flight.overdue = True
-                    flight.num_prefill_left = OVERDUE_SHARE_LEFT * flight.num_prefill_tokens
-                    break
+            late = flight.num_prefill_left <= 0 and flight.first_delta_at is None
+            if late and flight.learns_speed:
+                # Drained, and still no first token: the speed estimate ran fast for it,
+                # and how far its prefill got cannot be seen from here. Counted half done
+                # until its first token, it holds the queue behind it; read as done, it
+                # would draw new work onto a replica still busy with it.
+                flight.overdue = True
+                flight.num_prefill_left = OVERDUE_SHARE_LEFT * flight.num_prefill_tokens
+                break
 
     def num_queued_prefill_tokens(
         self, now: float | None = None, speed: float | None = None
